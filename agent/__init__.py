@@ -1,0 +1,1 @@
+"""The per-node daemon: registration, heartbeats, local health, process supervision, drills."""

@@ -1,0 +1,114 @@
+"""Failure detection as a pure function of ``(now, last-seen table, settings)``.
+
+Two kinds of evidence, both on the leader's monotonic clock:
+
+* **silence**: no heartbeat for ``dead_after_s`` → dead (a hung, stopped or partitioned node);
+* **a closed stream**: the agent's heartbeat stream ended (the kernel closes the socket of a
+  SIGKILLed process at once) and no new stream came within ``disconnect_dead_after_s`` → dead.
+
+Between ``suspect_after_s`` and death a node is *suspect*: shown, never acted on. A node under a
+*grace* deadline (a new leader that just loaded state from etcd) is never judged dead before the
+deadline, so a failover cannot kill a live node. If the judge itself was not run for longer than
+``stall_after_s`` (the coordinator was starved of CPU) every silence is suspect evidence, so the
+caller must grant grace rather than act; :func:`judge` says so in :attr:`Judgement.stalled`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class State(str, enum.Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class DetectorSettings:
+    suspect_after_s: float = 1.2
+    dead_after_s: float = 2.5
+    disconnect_dead_after_s: float = 1.5
+    stall_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.suspect_after_s < self.dead_after_s:
+            raise ValueError("suspect_after_s must be positive and below dead_after_s")
+        if not 0 < self.disconnect_dead_after_s <= self.dead_after_s:
+            raise ValueError("disconnect_dead_after_s must be positive and at most dead_after_s")
+        if self.stall_after_s <= 0:
+            raise ValueError("stall_after_s must be positive")
+
+
+@dataclass(slots=True)
+class Liveness:
+    """What the leader knows of one node's heartbeats. Mutated in place by the heartbeat handler
+    (the hot path) and only read by :func:`judge`."""
+
+    last_seen: float  # monotonic seconds: last heartbeat, or registration, on this leader
+    connected: bool = False
+    disconnected_at: float | None = None
+    grace_until: float = 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: State
+    reason: str
+    silent_s: float
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdicts: Mapping[str, Verdict]
+    stalled: bool = False
+    stall_reason: str = ""
+
+
+def judge_one(now: float, live: Liveness, settings: DetectorSettings) -> Verdict:
+    silent = max(0.0, now - live.last_seen)
+    if now < live.grace_until:
+        if silent >= settings.suspect_after_s:
+            return Verdict(State.SUSPECT, f"silent {silent:.2f}s, in grace for {live.grace_until - now:.2f}s",
+                           silent)
+        return Verdict(State.ALIVE, "in grace", silent)
+    if silent >= settings.dead_after_s:
+        return Verdict(
+            State.DEAD, f"no heartbeat for {silent:.2f}s (dead_after_s={settings.dead_after_s:g})", silent
+        )
+    if not live.connected and live.disconnected_at is not None:
+        closed = now - live.disconnected_at
+        if closed >= settings.disconnect_dead_after_s:
+            return Verdict(
+                State.DEAD,
+                f"heartbeat stream closed {closed:.2f}s ago and not reopened "
+                f"(disconnect_dead_after_s={settings.disconnect_dead_after_s:g})",
+                silent,
+            )
+        return Verdict(State.SUSPECT, f"heartbeat stream closed {closed:.2f}s ago", silent)
+    if silent >= settings.suspect_after_s:
+        return Verdict(State.SUSPECT, f"no heartbeat for {silent:.2f}s", silent)
+    return Verdict(State.ALIVE, "heartbeating", silent)
+
+
+def judge(
+    now: float,
+    table: Mapping[str, Liveness],
+    settings: DetectorSettings,
+    last_judged: float | None = None,
+) -> Judgement:
+    """Judges every node. ``last_judged`` is when the previous judgement ran; a gap longer than
+    ``stall_after_s`` means this process was not running, so silences are not evidence."""
+    if last_judged is not None and now - last_judged > settings.stall_after_s:
+        gap = now - last_judged
+        reason = f"coordinator did not run for {gap:.2f}s (> stall_after_s={settings.stall_after_s:g})"
+        verdicts = {}
+        for node_id, live in table.items():
+            verdict = judge_one(now, live, settings)
+            if verdict.state is State.DEAD:
+                verdict = Verdict(State.SUSPECT, f"{verdict.reason}; not judged: {reason}", verdict.silent_s)
+            verdicts[node_id] = verdict
+        return Judgement(verdicts, stalled=True, stall_reason=reason)
+    return Judgement({node_id: judge_one(now, live, settings) for node_id, live in table.items()})

@@ -1,0 +1,207 @@
+"""The coordinator's state store: a small interface, written once, with an etcd and an in-memory
+implementation that pass the same contract tests (``tests/test_store_contract.py``).
+
+Like torch elastic's ``RendezvousBackend``, the interface is deliberately tiny and the semantics
+are spelled out here once:
+
+* ``load()`` returns everything durable plus the world's revision, the fencing token for the next
+  commit.
+* ``commit(guard, ...)`` applies node records, the next world and events **atomically**, and only
+  if (a) ``guard.leader`` is still the leader record and (b) when a world is written, the world key
+  is still at ``guard.world_revision``. Otherwise it raises :class:`StaleStateError` and writes
+  nothing: two leaders can never both commit an epoch.
+* ``campaign`` creates the leader key bound to a lease if, and only if, no leader key exists;
+  ``keep_alive`` refreshes it and answers ``False`` once the lease is gone (leadership lost).
+
+Errors are translated once, at this boundary: :class:`StoreUnavailable` (could not reach the store;
+nothing is known to be written) and :class:`StaleStateError` (a guard failed; nothing written).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .model import Event, LeaderInfo, NodeRecord, World
+
+
+class StoreError(Exception):
+    """Base of the state store's errors."""
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached; the operation may or may not have been applied only for
+    writes that were in flight, which is why callers re-read (``load``) before deciding again."""
+
+    def __init__(self, op: str, cause: BaseException | str) -> None:
+        super().__init__(f"state store unavailable during {op}: {cause}")
+        self.op = op
+
+
+class StaleStateError(StoreError):
+    """A commit's guard failed: another leader exists or the world changed since it was read."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: dict[str, NodeRecord]
+    world: World
+    world_revision: int  # 0 when no world was ever written
+    last_event_seq: int
+    leader: LeaderInfo | None
+
+
+@dataclass(frozen=True)
+class Guard:
+    leader: LeaderInfo
+    world_revision: int | None = None  # required when the commit writes a world
+
+
+@dataclass(frozen=True)
+class Lease:
+    id: int
+    ttl_s: int
+    leader: LeaderInfo
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    world_revision: int  # the world key's revision after the commit (unchanged when no world)
+
+
+class StateStore(Protocol):
+    def load(self) -> Snapshot: ...
+
+    def commit(
+        self,
+        guard: Guard,
+        nodes: Sequence[NodeRecord] = (),
+        world: World | None = None,
+        events: Sequence[Event] = (),
+        prune_events_below: int = 0,
+    ) -> CommitResult: ...
+
+    def list_events(self, limit: int) -> list[Event]: ...
+
+    def current_leader(self) -> LeaderInfo | None: ...
+
+    def campaign(self, replica_id: str, address: str, ttl_s: int) -> Lease | None: ...
+
+    def keep_alive(self, lease: Lease) -> bool: ...
+
+    def resign(self, lease: Lease) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def new_leader_info(replica_id: str, address: str) -> LeaderInfo:
+    return LeaderInfo(replica_id, address, time.time(), uuid.uuid4().hex)
+
+
+@dataclass
+class _MemLease:
+    lease: Lease
+    expires: float
+
+
+@dataclass
+class MemoryStore:
+    """In-process fake with the same contract, for fast unit tests of the control logic. Leases
+    expire on an injectable clock, so tests move time instead of sleeping. ``available`` switched
+    off makes every call raise :class:`StoreUnavailable`, like an unreachable etcd."""
+
+    clock: Callable[[], float] = time.monotonic
+    available: bool = True
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    world: World = field(default_factory=World)
+    world_revision: int = 0
+    events: dict[int, Event] = field(default_factory=dict)
+    revision: int = 0
+    writes: int = 0
+    _leader: _MemLease | None = None
+    _next_lease: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _check(self, op: str) -> None:
+        if not self.available:
+            raise StoreUnavailable(op, "memory store switched off")
+        if self._leader is not None and self.clock() >= self._leader.expires:
+            self._leader = None
+
+    def load(self) -> Snapshot:
+        with self._lock:
+            self._check("load")
+            last = max(self.events, default=0)
+            leader = self._leader.lease.leader if self._leader else None
+            return Snapshot(dict(self.nodes), self.world, self.world_revision, last, leader)
+
+    def commit(
+        self,
+        guard: Guard,
+        nodes: Sequence[NodeRecord] = (),
+        world: World | None = None,
+        events: Sequence[Event] = (),
+        prune_events_below: int = 0,
+    ) -> CommitResult:
+        with self._lock:
+            self._check("commit")
+            if self._leader is None or self._leader.lease.leader != guard.leader:
+                raise StaleStateError(f"{guard.leader.replica_id} is not the leader")
+            if world is not None and guard.world_revision != self.world_revision:
+                raise StaleStateError(
+                    f"world revision is {self.world_revision}, guard expected {guard.world_revision}"
+                )
+            self.revision += 1
+            self.writes += 1
+            for node in nodes:
+                self.nodes[node.node_id] = node
+            if world is not None:
+                self.world = world
+                self.world_revision = self.revision
+            for event in events:
+                self.events[event.seq] = event
+            for seq in [s for s in self.events if s < prune_events_below]:
+                del self.events[seq]
+            return CommitResult(self.world_revision)
+
+    def list_events(self, limit: int) -> list[Event]:
+        with self._lock:
+            self._check("list_events")
+            return [self.events[s] for s in sorted(self.events, reverse=True)[:limit]]
+
+    def current_leader(self) -> LeaderInfo | None:
+        with self._lock:
+            self._check("current_leader")
+            return self._leader.lease.leader if self._leader else None
+
+    def campaign(self, replica_id: str, address: str, ttl_s: int) -> Lease | None:
+        with self._lock:
+            self._check("campaign")
+            if self._leader is not None:
+                return None
+            lease = Lease(self._next_lease, ttl_s, new_leader_info(replica_id, address))
+            self._next_lease += 1
+            self._leader = _MemLease(lease, self.clock() + ttl_s)
+            self.writes += 1
+            return lease
+
+    def keep_alive(self, lease: Lease) -> bool:
+        with self._lock:
+            self._check("keep_alive")
+            if self._leader is None or self._leader.lease.id != lease.id:
+                return False
+            self._leader.expires = self.clock() + lease.ttl_s
+            return True
+
+    def resign(self, lease: Lease) -> None:
+        with self._lock:
+            self._check("resign")
+            if self._leader is not None and self._leader.lease.id == lease.id:
+                self._leader = None
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""``ftctl``, the operator CLI, and the client library it is a thin layer over."""
