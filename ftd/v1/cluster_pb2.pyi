@@ -208,6 +208,7 @@ class Assignment(_message.Message):
     WORLD_FIELD_NUMBER: _builtins.int
     FENCED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     role: Global___Role.ValueType
     rank: _builtins.int
@@ -216,9 +217,10 @@ class Assignment(_message.Message):
     """the node was removed; it must stop its workers and re-register"""
     reason: _builtins.str
     """why the last epoch change happened"""
+    world_size: _builtins.int
     @_builtins.property
     def world(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """node ids by rank"""
+        """node ids by rank; sent on epoch changes, empty above 256 ranks"""
 
     def __init__(
         self,
@@ -229,10 +231,11 @@ class Assignment(_message.Message):
         world: _abc.Iterable[_builtins.str] | None = ...,
         fenced: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        world_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fenced", b"fenced", "rank", b"rank", "reason", b"reason", "role", b"role", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fenced", b"fenced", "rank", b"rank", "reason", b"reason", "role", b"role", "world", b"world", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,137 @@
+"""The agent daemon: wires the coordinator session, the local gRPC endpoint, supervision, health and
+metrics together, and runs until SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from prometheus_client import start_http_server
+
+from ftd.coordinator.client import CoordinatorClient
+from ftd.logs import set_identity
+from ftd.v1 import agent_pb2, cluster_pb2
+
+from . import health, service
+from .heartbeat import Identity, Session
+from .metrics import AgentMetrics
+from .settings import AgentSettings
+from .supervisor import Supervisor
+
+log = logging.getLogger("ftd.agent")
+
+
+class AgentDaemon:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.node_id = settings.effective_node_id
+        self.metrics = AgentMetrics()
+        self.supervisor = Supervisor()
+        self.gpu = health.GpuProbe()
+        self._progress = cluster_pb2.Progress(step=-1)
+        self._progress_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ftd-agent-rpc"))
+        self.address = ""
+        self.metrics_address = ""
+        self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s)
+        self.session: Session  # created in start(), once the agent's own address is known
+
+    # ---- state shared with the service ------------------------------------------------------
+
+    def report_progress(self, progress: cluster_pb2.Progress) -> None:
+        with self._progress_lock:
+            if progress.reported_unix_s == 0:
+                progress.reported_unix_s = time.time()
+            self._progress = progress
+        self.metrics.training_step.set(progress.step)
+
+    def progress(self) -> cluster_pb2.Progress:
+        with self._progress_lock:
+            return self._progress
+
+    def health(self) -> cluster_pb2.Health:
+        sample = health.sample(self.settings.tiers, self.gpu)
+        for disk in sample.disks:
+            self.metrics.disk_free.labels(disk.tier).set(disk.free_bytes)
+        if sample.HasField("gpu"):
+            for i, util in enumerate(sample.gpu.utilization_pct):
+                self.metrics.gpu_utilization.labels(str(i)).set(util / 100.0)
+        return sample
+
+    def info(self) -> agent_pb2.AgentInfo:
+        s = self.session
+        return agent_pb2.AgentInfo(
+            node_id=self.node_id, host=self.settings.effective_host, pid=os.getpid(), assignment=s.assignment,
+            connected=s.connected, coordinator_address=s.leader_address, supervised_pids=self.supervisor.pids(),
+            progress=self.progress(),
+        )
+
+    def _on_assignment(self, assignment: cluster_pb2.Assignment) -> None:
+        self.metrics.epoch.set(assignment.epoch)
+        self.metrics.rank.set(assignment.rank)
+        set_identity(epoch=assignment.epoch, rank=assignment.rank)
+
+    def _on_heartbeat(self) -> None:
+        self.metrics.heartbeats.inc()
+        self.metrics.connected.set(1 if self.session.connected else 0)
+
+    def _on_reconnect(self) -> None:
+        self.metrics.connected.set(0)
+        self.metrics.reconnects.inc()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        s = self.settings
+        s.workdir.mkdir(parents=True, exist_ok=True)
+        for path in s.tiers.values():
+            path.mkdir(parents=True, exist_ok=True)
+        sock = s.effective_socket
+        if sock.exists():
+            sock.unlink()  # a stale socket of a previous run; ours is created by bind below
+        service.add_to_server(self.server, self)
+        host, _, port = s.listen.rpartition(":")
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"{host.strip('[]')}:{bound}"
+        self.server.add_insecure_port(f"unix:{sock}")
+        self.server.start()
+        if s.metrics_listen:
+            mhost, _, mport = s.metrics_listen.rpartition(":")
+            server, _ = start_http_server(int(mport), addr=mhost, registry=self.metrics.registry)
+            self.metrics_address = f"{mhost}:{server.server_port}"
+        role = cluster_pb2.ROLE_ACTIVE if s.role == "active" else cluster_pb2.ROLE_SPARE
+        self.session = Session(
+            self.client, Identity(self.node_id, s.effective_host, role, dict(s.labels), self.address),
+            s.heartbeat_interval_s, s.coordinator_timeout_s, s.reconnect_max_backoff_s,
+            health=self.health, progress=self.progress, on_assignment=self._on_assignment,
+            on_heartbeat=self._on_heartbeat, on_reconnect=self._on_reconnect,
+        )
+        set_identity(node=self.node_id)
+        threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()
+        log.info("agent %s serving on %s and unix:%s (metrics %s); coordinators %s", self.node_id, self.address,
+                 sock, self.metrics_address or "off", s.coordinators)
+        if s.ready_file:
+            tmp = s.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "node_id": self.node_id, "address": self.address,
+                                       "socket": str(sock), "metrics": self.metrics_address}))
+            os.replace(tmp, s.ready_file)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def wait(self) -> None:
+        while not self._stop.wait(1.0):
+            self.supervisor.reap()
+
+    def stop(self) -> None:
+        log.info("stopping agent %s", self.node_id)
+        self._stop.set()
+        self.session.stop()
+        self.server.stop(grace=1.0).wait(2.0)
+        self.client.close()

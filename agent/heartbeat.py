@@ -1,0 +1,188 @@
+"""The agent's session with the coordinator: register, then stream heartbeats to the leader.
+
+Reconnects with jittered exponential backoff (tenacity) and follows the leader named by a standby's
+refusal. Whatever happens to coordinators (restart, failover, etcd outage) the agent keeps trying;
+it never gives up on its own. The latest assignment is kept here and handed to ``on_assignment``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
+
+from ftd.coordinator.client import CoordinatorClient
+from ftd.v1 import cluster_pb2, coordinator_pb2
+
+log = logging.getLogger("ftd.agent")
+
+
+class SessionEnded(Exception):
+    """The heartbeat stream ended; the session is re-established after a backoff."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    node_id: str
+    host: str
+    role: int  # cluster_pb2.Role
+    labels: dict[str, str]
+    agent_address: str
+
+
+class Session:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        identity: Identity,
+        interval_s: float,
+        timeout_s: float,
+        max_backoff_s: float,
+        health: Callable[[], cluster_pb2.Health],
+        progress: Callable[[], cluster_pb2.Progress],
+        on_assignment: Callable[[cluster_pb2.Assignment], None] = lambda a: None,
+        on_heartbeat: Callable[[], None] = lambda: None,
+        on_reconnect: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.client = client
+        self.identity = identity
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.health = health
+        self.progress = progress
+        self.on_assignment = on_assignment
+        self.on_heartbeat = on_heartbeat
+        self.on_reconnect = on_reconnect
+        self.incarnation = uuid.uuid4().hex
+        self.assignment = cluster_pb2.Assignment(rank=-1)
+        self.connected = False
+        self.reconnects = 0
+        self.leader_address = ""
+        self._registered = False
+        self._stop = threading.Event()
+        self._call: grpc.Call | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Blocks until :meth:`stop`; every session failure is retried with backoff."""
+        retrying = Retrying(
+            retry=retry_if_exception_type((SessionEnded, grpc.RpcError, ConnectionError)),
+            wait=wait_exponential_jitter(initial=0.05, max=self.max_backoff_s, jitter=0.1),
+            stop=lambda state: self._stop.is_set(),
+            sleep=self._stop.wait,
+            before_sleep=self._before_retry,
+            reraise=False,
+        )
+        while not self._stop.is_set():
+            try:
+                retrying(self._session)
+            except Exception:  # tenacity's RetryError after stop, or a bug: keep the agent alive
+                if not self._stop.is_set():
+                    log.exception("heartbeat session failed unexpectedly; restarting it")
+                    self._stop.wait(self.max_backoff_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()  # type: ignore[attr-defined]
+
+    def _before_retry(self, state: RetryCallState) -> None:
+        self.connected = False
+        self.reconnects += 1
+        self.on_reconnect()
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, grpc.Call):
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                self._registered = False  # unknown to this leader, or a stale incarnation: register again
+            else:
+                self.client.follow(exc)  # type: ignore[arg-type]  # a standby's hint, or the next endpoint
+            log.info("heartbeat session to %s ended (%s: %s); retry %d", self.client.current,
+                     exc.code().name, exc.details(), state.attempt_number)
+        elif exc is not None:
+            log.info("heartbeat session ended: %s; retry %d", exc, state.attempt_number)
+
+    # ---- one session -------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        req = coordinator_pb2.RegisterRequest(
+            node_id=self.identity.node_id, host=self.identity.host, role=self.identity.role,  # type: ignore[arg-type]
+            labels=self.identity.labels, agent_address=self.identity.agent_address, pid=os.getpid(),
+            incarnation=self.incarnation,
+        )
+        # One attempt per endpoint; the retry loop above provides the backoff between rounds.
+        resp = self.client.register(req, deadline_s=self.timeout_s)
+        self._registered = True
+        log.info("registered with %s: %s (epoch %d, rank %d)", self.client.current, resp.message,
+                 resp.assignment.epoch, resp.assignment.rank)
+        self._apply(resp.assignment)
+
+    def _requests(self) -> Iterator[coordinator_pb2.HeartbeatRequest]:
+        seq = 0
+        last_health = 0.0
+        health = self.health()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - last_health >= 5 * self.interval_s:
+                health, last_health = self.health(), now
+            seq += 1
+            yield coordinator_pb2.HeartbeatRequest(
+                node_id=self.identity.node_id, incarnation=self.incarnation, known_epoch=self.assignment.epoch,
+                health=health, progress=self.progress(), seq=seq,
+            )
+            self.on_heartbeat()
+            if self._stop.wait(self.interval_s):
+                return
+            if time.monotonic() - self._last_answer > self.timeout_s:
+                log.warning("no answer from %s for %.1fs; reconnecting", self.client.current, self.timeout_s)
+                call = self._call
+                if call is not None:
+                    call.cancel()  # type: ignore[attr-defined]
+                return
+
+    def _session(self) -> None:
+        if self._stop.is_set():
+            return
+        if not self._registered:
+            self._register()
+        self._last_answer = time.monotonic()
+        call = self.client.heartbeat_stream(self._requests())
+        self._call = call
+        try:
+            for response in call:
+                self._last_answer = time.monotonic()
+                if not self.connected:
+                    self.connected = True
+                    self.leader_address = self.client.current
+                    log.info("heartbeating to leader %s at %s", response.leader_id, self.client.current)
+                self._apply(response.assignment)
+                if response.assignment.fenced:
+                    log.warning("this node was fenced out of epoch %d; re-registering as a spare",
+                                response.assignment.epoch)
+                    self._registered = False
+                    call.cancel()
+                    raise SessionEnded("fenced")
+        finally:
+            self._call = None
+            self.connected = False
+        if not self._stop.is_set():
+            raise SessionEnded(f"heartbeat stream to {self.client.current} closed")
+
+    def _apply(self, assignment: cluster_pb2.Assignment) -> None:
+        old = self.assignment
+        if not assignment.world and assignment.epoch == old.epoch:
+            assignment.world.extend(old.world)  # the world is only sent when the epoch changes
+        self.assignment = assignment
+        if (assignment.epoch, assignment.rank, assignment.fenced) != (old.epoch, old.rank, old.fenced):
+            log.info("assignment: epoch %d, rank %d of %d%s", assignment.epoch, assignment.rank,
+                     assignment.world_size, " (fenced)" if assignment.fenced else "")
+            self.on_assignment(assignment)

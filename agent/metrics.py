@@ -1,0 +1,22 @@
+"""The agent's Prometheus metrics (``ftd_agent_*``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class AgentMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.heartbeats = Counter("ftd_agent_heartbeats_sent_total", "Heartbeats sent to the coordinator",
+                                  registry=r)
+        self.connected = Gauge("ftd_agent_connected", "1 while a heartbeat stream to the leader is up", registry=r)
+        self.reconnects = Counter("ftd_agent_reconnects_total", "Heartbeat sessions re-established", registry=r)
+        self.epoch = Gauge("ftd_agent_epoch", "Epoch of the node's current assignment", registry=r)
+        self.rank = Gauge("ftd_agent_rank", "Rank of the node in the current world (-1: spare)", registry=r)
+        self.disk_free = Gauge("ftd_agent_disk_free_bytes", "Free bytes on a tier directory", ["tier"], registry=r)
+        self.gpu_utilization = Gauge("ftd_agent_gpu_utilization_ratio", "GPU utilisation (0..1) from NVML",
+                                     ["gpu"], registry=r)
+        self.training_step = Gauge("ftd_agent_training_step", "Latest training step reported by the workers",
+                                   registry=r)

@@ -1,0 +1,76 @@
+"""The agent's one validated settings object (file + ``FTD_AGENT_*`` env + flags)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftd.coordinator.client import parse_endpoints
+from ftd.coordinator.model import valid_node_id
+from ftd.settings import require, setting
+
+ENV_PREFIX = "FTD_AGENT_"
+
+
+def _hostport_ok(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node_id: str = setting("", "unique id of this node (default: the host name)")
+    host: str = setting("", "host name or address this node is reached at (default: the host name)")
+    role: str = setting("active", "role asked for at registration: active or spare")
+    labels: dict[str, str] = setting({}, "node labels KEY=VALUE[,KEY=VALUE...], e.g. rack=r1 (failure domain)")
+    coordinators: str = setting("127.0.0.1:7400", "coordinator replicas HOST:PORT[,HOST:PORT...]; the leader is followed")
+    listen: str = setting("127.0.0.1:7410", "agent gRPC address HOST:PORT for operators and drills (port 0: any)")
+    workdir: Path = setting(Path("/var/lib/ftd"), "node directory: socket, state, default tier directories")
+    socket_path: Path | None = setting(None, "Unix socket for the training process (default: WORKDIR/agent.sock)")
+    ssd_dir: Path | None = setting(None, "hot checkpoint tier directory (default: WORKDIR/ssd)")
+    hdd_dir: Path | None = setting(None, "warm checkpoint tier directory (default: WORKDIR/hdd)")
+    heartbeat_interval_s: float = setting(0.5, "period of heartbeats to the coordinator", "s")
+    coordinator_timeout_s: float = setting(3.0, "no answer from the leader for this long: reconnect", "s")
+    reconnect_max_backoff_s: float = setting(1.0, "upper bound of the reconnect backoff", "s")
+    health_interval_s: float = setting(5.0, "period of disk/GPU health sampling", "s")
+    drill_token: str = setting("", "secret that authorises Kill (drills); empty disables drills on this node")
+    metrics_listen: str = setting("127.0.0.1:9402", "Prometheus /metrics address HOST:PORT (empty: disabled)")
+    ready_file: Path | None = setting(None, "write {pid, node_id, address, socket, metrics} JSON here once serving")
+    log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
+
+    def __post_init__(self) -> None:
+        require(not self.node_id or valid_node_id(self.node_id), "node_id",
+                f"{self.node_id!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
+        require(self.role in ("active", "spare"), "role", f"must be active or spare, got {self.role!r}")
+        try:
+            parse_endpoints(self.coordinators)
+        except ValueError as exc:
+            require(False, "coordinators", str(exc))
+        require(_hostport_ok(self.listen), "listen", f"expected HOST:PORT, got {self.listen!r}")
+        require(not self.metrics_listen or _hostport_ok(self.metrics_listen), "metrics_listen",
+                f"expected HOST:PORT, got {self.metrics_listen!r}")
+        require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", f"must be > 0 (got {self.heartbeat_interval_s})")
+        require(self.coordinator_timeout_s > self.heartbeat_interval_s, "coordinator_timeout_s",
+                f"must be > heartbeat_interval_s ({self.heartbeat_interval_s}), got {self.coordinator_timeout_s}")
+        require(self.reconnect_max_backoff_s > 0, "reconnect_max_backoff_s",
+                f"must be > 0 (got {self.reconnect_max_backoff_s})")
+        require(self.health_interval_s > 0, "health_interval_s", f"must be > 0 (got {self.health_interval_s})")
+        require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+                f"unknown level {self.log_level!r}")
+
+    @property
+    def effective_node_id(self) -> str:
+        return self.node_id or socket.gethostname()
+
+    @property
+    def effective_host(self) -> str:
+        return self.host or socket.gethostname()
+
+    @property
+    def effective_socket(self) -> Path:
+        return self.socket_path or self.workdir / "agent.sock"
+
+    @property
+    def tiers(self) -> dict[str, Path]:
+        return {"ssd": self.ssd_dir or self.workdir / "ssd", "hdd": self.hdd_dir or self.workdir / "hdd"}

@@ -1,0 +1,89 @@
+"""``ftd-coordinator``: one replica of the coordinator (leader or hot standby)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from grpc import aio
+from prometheus_client import start_http_server
+
+from ftd import logs
+from ftd.settings import load_or_exit
+
+from .control import Controller
+from .etcd_store import EtcdStore
+from .metrics import CoordinatorMetrics
+from .service import GRPC_SERVER_OPTIONS, add_to_server
+from .settings import ENV_PREFIX, CoordinatorSettings, parse_hostport
+
+log = logging.getLogger("ftd.coordinator")
+
+
+def write_ready_file(path: Path, data: dict[str, object]) -> None:
+    """Atomically (temp + rename) so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def start_metrics(listen: str, registry: object) -> str:
+    if not listen:
+        return ""
+    host, port = parse_hostport(listen)
+    server, _ = start_http_server(port, addr=host, registry=registry)  # type: ignore[arg-type]
+    return f"{host}:{server.server_port}"
+
+
+async def serve(settings: CoordinatorSettings) -> int:
+    metrics = CoordinatorMetrics()
+    server = aio.server(options=GRPC_SERVER_OPTIONS)
+    host, port = parse_hostport(settings.listen)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        log.error("cannot listen on %s", settings.listen)
+        return 1
+    address = settings.advertise or f"{host}:{bound}"
+    store = EtcdStore(settings.etcd_endpoints, settings.cluster, settings.etcd_timeout_s)
+    controller = Controller(store, settings, address, metrics)
+    add_to_server(server, controller)
+    await server.start()
+    metrics_address = start_metrics(settings.metrics_listen, metrics.registry)
+    logs.set_identity(replica=controller.replica_id)
+    log.info("serving on %s (metrics %s), etcd %s, cluster %r", address, metrics_address or "off",
+             settings.etcd_endpoints, settings.cluster)
+    if settings.ready_file:
+        write_ready_file(settings.ready_file, {"pid": os.getpid(), "address": address,
+                                               "metrics": metrics_address, "replica_id": controller.replica_id})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = asyncio.create_task(controller.run())
+    await stop.wait()
+    log.info("stopping: handing leadership over")
+    await controller.stop()
+    runner.cancel()
+    await server.stop(grace=1.0)
+    store.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_or_exit(
+        CoordinatorSettings, sys.argv[1:] if argv is None else argv, os.environ,
+        prog="ftd-coordinator", env_prefix=ENV_PREFIX,
+        description="ftd coordinator replica: failure detection, spare promotion, epochs in etcd.",
+    )
+    logs.configure(settings.log_level, component="coordinator")
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

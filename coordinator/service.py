@@ -1,0 +1,137 @@
+"""The coordinator's gRPC service: a thin translation between protobuf and :class:`~.control.Controller`.
+
+Errors are mapped once here (:func:`~.errors.grpc_code`); a standby's refusal carries the leader's
+address in the ``ftd-leader`` trailing metadata so clients can follow it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc import aio
+
+from ftd.v1 import cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+from . import errors
+from .control import Controller, Stream
+
+log = logging.getLogger("ftd.coordinator.service")
+LEADER_METADATA_KEY = "ftd-leader"
+T = TypeVar("T")
+
+
+async def _abort(context: aio.ServicerContext[Any, Any], exc: errors.CoordinatorError) -> NoReturn:
+    if isinstance(exc, errors.NotLeader):
+        context.set_trailing_metadata(((LEADER_METADATA_KEY, exc.leader_address),))
+    await context.abort(errors.grpc_code(exc), str(exc))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.ctl = controller
+
+    async def _unary(self, context: aio.ServicerContext[Any, Any], fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await fn()
+        except errors.CoordinatorError as exc:
+            await _abort(context, exc)
+
+    async def Register(self, request: coordinator_pb2.RegisterRequest,
+                       context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RegisterResponse:
+        return await self._unary(context, lambda: self.ctl.register(request))
+
+    async def GetStatus(self, request: coordinator_pb2.GetStatusRequest,
+                        context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ClusterStatus:
+        async def status() -> coordinator_pb2.ClusterStatus:
+            return self.ctl.status()
+        return await self._unary(context, status)
+
+    async def ListNodes(self, request: coordinator_pb2.ListNodesRequest,
+                        context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ListNodesResponse:
+        async def nodes() -> coordinator_pb2.ListNodesResponse:
+            return self.ctl.nodes()
+        return await self._unary(context, nodes)
+
+    async def ListEvents(self, request: coordinator_pb2.ListEventsRequest,
+                         context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ListEventsResponse:
+        limit = request.limit or 100
+        if limit > 10000:
+            await _abort(context, errors.InvalidArgument("limit", f"at most 10000, got {limit}"))
+        events = await self._unary(context, lambda: self.ctl.events(limit))
+        return coordinator_pb2.ListEventsResponse(events=[
+            cluster_pb2.Event(seq=e.seq, at_unix_s=e.at_unix_s, kind=e.kind, node_id=e.node_id, epoch=e.epoch,
+                              message=e.message)
+            for e in events
+        ])
+
+    async def Heartbeat(self, request_iterator: AsyncIterator[coordinator_pb2.HeartbeatRequest],
+                        context: aio.ServicerContext[Any, Any]) -> None:  # type: ignore[override]
+        first = await context.read()
+        if first is aio.EOF:
+            return
+        try:
+            stream = self.ctl.open_stream(first)
+        except errors.CoordinatorError as exc:
+            await _abort(context, exc)
+        stream.queue.put_nowait("ack")
+        reader = asyncio.create_task(self._read(stream, context))
+        try:
+            while True:
+                item = await stream.queue.get()
+                while item is not None and not stream.queue.empty():
+                    item = stream.queue.get_nowait()  # coalesce: one answer carries the latest state
+                if item is None:
+                    break
+                try:
+                    response = self.ctl.heartbeat_response(stream)
+                except errors.CoordinatorError as exc:
+                    stream.close_error = exc
+                    break
+                await context.write(response)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self.ctl.close_stream(stream)
+        if stream.close_error is not None:
+            await _abort(context, stream.close_error)
+
+    async def _read(self, stream: Stream, context: aio.ServicerContext[Any, Any]) -> None:
+        try:
+            while True:
+                request = await context.read()
+                if request is aio.EOF:
+                    break
+                try:
+                    self.ctl.on_heartbeat(stream, request)
+                except errors.CoordinatorError as exc:
+                    stream.close(exc)
+                    return
+                stream.queue.put_nowait("ack")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the client went away mid-read
+            log.debug("heartbeat stream of %s ended: %r", stream.node_id, exc)
+        stream.queue.put_nowait(None)
+
+
+def add_to_server(server: aio.Server, controller: Controller) -> None:
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(controller), server)
+
+
+GRPC_SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_concurrent_streams", 100_000),
+]
+
+
+__all__ = ["GRPC_SERVER_OPTIONS", "LEADER_METADATA_KEY", "CoordinatorService", "add_to_server", "grpc"]

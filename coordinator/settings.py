@@ -1,0 +1,85 @@
+"""The coordinator's one validated settings object (file + ``FTD_COORDINATOR_*`` env + flags)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftd.settings import require, setting
+
+from .detector import DetectorSettings
+from .etcd_store import parse_endpoints
+
+ENV_PREFIX = "FTD_COORDINATOR_"
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    listen: str = setting("127.0.0.1:7400", "gRPC listen address HOST:PORT (port 0 picks a free one)")
+    advertise: str = setting("", "address other processes reach this replica at (default: the bound listen address)")
+    replica_id: str = setting("", "unique name of this replica (default: HOSTNAME-PID)")
+    etcd_endpoints: str = setting("127.0.0.1:2379", "etcd v3 client endpoints, HOST:PORT[,HOST:PORT...]")
+    cluster: str = setting("default", "cluster name; all keys live under /ftd/<cluster>/ in etcd")
+    etcd_timeout_s: float = setting(2.0, "deadline of one etcd call", "s")
+    leader_ttl_s: int = setting(3, "TTL of the leader lease; a dead leader is replaced after about this long", "s")
+    suspect_after_s: float = setting(1.2, "heartbeat silence after which a node is shown as suspect", "s")
+    dead_after_s: float = setting(2.5, "heartbeat silence after which a node is declared dead", "s")
+    disconnect_dead_after_s: float = setting(
+        1.5, "a node whose heartbeat stream closed and did not reopen within this is declared dead", "s")
+    stall_after_s: float = setting(
+        1.0, "if the detector itself was not run for this long, nobody is judged until grace passes", "s")
+    failover_grace_s: float = setting(
+        5.0, "after becoming leader, no node is judged dead before this much time has passed", "s")
+    tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
+    domain_label: str = setting("rack", "node label naming the failure domain; spares in the same domain are preferred")
+    max_events: int = setting(1000, "event log entries kept in etcd", "events")
+    metrics_listen: str = setting("127.0.0.1:9401", "Prometheus /metrics address HOST:PORT (empty: disabled)")
+    ready_file: Path | None = setting(None, "write {pid, address, metrics} JSON here once serving")
+    log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
+
+    def __post_init__(self) -> None:
+        for name in ("listen", "advertise", "metrics_listen"):
+            value = getattr(self, name)
+            if value:
+                try:
+                    parse_hostport(value)
+                except ValueError as exc:
+                    require(False, name, str(exc))
+        try:
+            parse_endpoints(self.etcd_endpoints)
+        except ValueError as exc:
+            require(False, "etcd_endpoints", str(exc))
+        require(bool(self.cluster) and "/" not in self.cluster, "cluster", "must be non-empty without '/'")
+        require(self.etcd_timeout_s > 0, "etcd_timeout_s", f"must be > 0 (got {self.etcd_timeout_s})")
+        require(self.leader_ttl_s >= 2, "leader_ttl_s", f"must be >= 2 (etcd's minimum lease TTL), got {self.leader_ttl_s}")
+        require(self.suspect_after_s > 0, "suspect_after_s", f"must be > 0 (got {self.suspect_after_s})")
+        require(self.dead_after_s > self.suspect_after_s, "dead_after_s",
+                f"must be > suspect_after_s ({self.suspect_after_s}), got {self.dead_after_s}")
+        require(0 < self.disconnect_dead_after_s <= self.dead_after_s, "disconnect_dead_after_s",
+                f"must be in (0, dead_after_s], got {self.disconnect_dead_after_s}")
+        require(self.stall_after_s > 0, "stall_after_s", f"must be > 0 (got {self.stall_after_s})")
+        require(self.failover_grace_s >= 0, "failover_grace_s", f"must be >= 0 (got {self.failover_grace_s})")
+        require(0 < self.tick_s <= self.suspect_after_s / 2, "tick_s",
+                f"must be in (0, suspect_after_s/2], got {self.tick_s}")
+        require(self.max_events >= 10, "max_events", f"must be >= 10 (got {self.max_events})")
+        require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+                f"unknown level {self.log_level!r}")
+
+    @property
+    def detector(self) -> DetectorSettings:
+        return DetectorSettings(self.suspect_after_s, self.dead_after_s, self.disconnect_dead_after_s,
+                                self.stall_after_s)
+
+    @property
+    def effective_replica_id(self) -> str:
+        import os
+
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,155 @@
+"""The leader's in-memory picture of the cluster: the durable state last committed to etcd plus what
+heartbeats say (liveness, health, progress). Only the control loop mutates it, and durable parts only
+after a commit succeeded.
+
+The functions that turn it into protobuf answers live here too, so the service layer stays a thin
+translation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftd.v1 import cluster_pb2, coordinator_pb2
+
+from .detector import Liveness, State, Verdict
+from .model import NodeRecord, Role, World
+from .store import Snapshot
+
+INLINE_WORLD_MAX = 256  # above this many ranks an assignment carries world_size only
+
+_ROLE = {Role.ACTIVE: cluster_pb2.ROLE_ACTIVE, Role.SPARE: cluster_pb2.ROLE_SPARE}
+_STATE = {
+    State.ALIVE: cluster_pb2.NODE_STATE_ALIVE,
+    State.SUSPECT: cluster_pb2.NODE_STATE_SUSPECT,
+    State.DEAD: cluster_pb2.NODE_STATE_DEAD,
+}
+
+
+@dataclass(slots=True)
+class Runtime:
+    """What the latest heartbeat of a node said; never persisted."""
+
+    incarnation: str = ""
+    known_epoch: int = 0
+    seq: int = 0
+    last_heartbeat: float | None = None  # monotonic
+    health: cluster_pb2.Health | None = None
+    progress: cluster_pb2.Progress | None = None
+
+
+@dataclass
+class ClusterView:
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    world: World = field(default_factory=World)
+    world_revision: int = 0
+    last_event_seq: int = 0
+    liveness: dict[str, Liveness] = field(default_factory=dict)
+    runtime: dict[str, Runtime] = field(default_factory=dict)
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    _rank: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_snapshot(cls, snap: Snapshot, now: float, grace_s: float) -> ClusterView:
+        """A new leader's view: every known node starts silent-but-unjudged for ``grace_s``."""
+        view = cls(world_revision=snap.world_revision, last_event_seq=snap.last_event_seq)
+        view.nodes = dict(snap.nodes)
+        view.set_world(snap.world, snap.world_revision)
+        for node_id, node in view.nodes.items():
+            view.liveness[node_id] = Liveness(last_seen=now, grace_until=now + grace_s)
+            view.runtime[node_id] = Runtime(incarnation=node.incarnation)
+        return view
+
+    def set_world(self, world: World, revision: int) -> None:
+        self.world = world
+        self.world_revision = revision
+        self._rank = {node_id: i for i, node_id in enumerate(world.ranks)}
+
+    def rank_of(self, node_id: str) -> int:
+        return self._rank.get(node_id, -1)
+
+    def state_of(self, node_id: str) -> tuple[int, str]:
+        node = self.nodes[node_id]
+        if node.fence is not None:
+            return cluster_pb2.NODE_STATE_FENCED, f"fenced at epoch {node.fence.epoch}: {node.fence.reason}"
+        verdict = self.verdicts.get(node_id)
+        if verdict is None:
+            return cluster_pb2.NODE_STATE_ALIVE, "registered"
+        return _STATE[verdict.state], verdict.reason
+
+    def is_live(self, node_id: str) -> bool:
+        verdict = self.verdicts.get(node_id)
+        if verdict is None:
+            return node_id in self.liveness
+        return verdict.state is not State.DEAD
+
+    # ---- answers ---------------------------------------------------------------------------
+
+    def assignment(self, node_id: str, with_world: bool) -> cluster_pb2.Assignment:
+        node = self.nodes.get(node_id)
+        rank = self.rank_of(node_id)
+        out = cluster_pb2.Assignment(
+            epoch=self.world.epoch,
+            role=cluster_pb2.ROLE_ACTIVE if rank >= 0 else cluster_pb2.ROLE_SPARE,
+            rank=rank,
+            fenced=node is not None and node.fenced,
+            reason=self.world.reason,
+            world_size=len(self.world.ranks),
+        )
+        if with_world and len(self.world.ranks) <= INLINE_WORLD_MAX:
+            out.world.extend(self.world.ranks)
+        return out
+
+    def spares(self) -> list[str]:
+        return sorted(
+            n for n, node in self.nodes.items()
+            if self.rank_of(n) < 0 and not node.fenced and self.is_live(n)
+        )
+
+    def status(self, leader_id: str, leader_address: str, leader_since: float,
+               etcd_ok: bool) -> coordinator_pb2.ClusterStatus:
+        dead = sorted(n for n, node in self.nodes.items()
+                      if node.fenced or (self.verdicts.get(n) and self.verdicts[n].state is State.DEAD))
+        suspect = sorted(n for n, v in self.verdicts.items() if v.state is State.SUSPECT
+                         and n in self.nodes and not self.nodes[n].fenced)
+        world = self.world
+        degraded_reason = ""
+        if world.degraded:
+            degraded_reason = (f"world has {len(world.ranks)} of {world.target_size} ranks: "
+                               "no spare was left to replace a dead node")
+        return coordinator_pb2.ClusterStatus(
+            leader_id=leader_id, leader_address=leader_address, epoch=world.epoch,
+            world=list(world.ranks), target_world_size=world.target_size, spares=self.spares(),
+            dead=dead, suspect=suspect, degraded=world.degraded, degraded_reason=degraded_reason,
+            last_change_reason=world.reason, last_change_unix_s=world.changed_unix_s,
+            leader_since_unix_s=leader_since, etcd_reachable=etcd_ok,
+        )
+
+    def node_infos(self, now: float) -> list[coordinator_pb2.NodeInfo]:
+        out = []
+        for node_id in sorted(self.nodes):
+            node = self.nodes[node_id]
+            rt = self.runtime.get(node_id) or Runtime()
+            state, reason = self.state_of(node_id)
+            info = coordinator_pb2.NodeInfo(
+                node_id=node_id, host=node.host, pid=node.pid,
+                role=_ROLE[Role.ACTIVE if self.rank_of(node_id) >= 0 else Role.SPARE],
+                state=state, rank=self.rank_of(node_id), epoch=rt.known_epoch,
+                last_heartbeat_age_s=(now - rt.last_heartbeat) if rt.last_heartbeat is not None else -1.0,
+                labels=dict(node.labels), agent_address=node.agent_address, state_reason=reason,
+            )
+            if rt.health is not None:
+                info.health.CopyFrom(rt.health)
+            if rt.progress is not None:
+                info.progress.CopyFrom(rt.progress)
+            out.append(info)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        counts = {"alive": 0, "suspect": 0, "dead": 0, "fenced": 0}
+        names = {v: k for k, v in cluster_pb2.NodeState.items()}
+        for node_id in self.nodes:
+            state, _ = self.state_of(node_id)
+            counts[names[state].removeprefix("NODE_STATE_").lower()] += 1
+        return counts
+
