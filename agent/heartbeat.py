@@ -14,11 +14,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd.coordinator.client import CoordinatorClient, rpc_code, rpc_details
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
 log = logging.getLogger("ftd.agent")
@@ -68,7 +69,7 @@ class Session:
         self.leader_address = ""
         self._registered = False
         self._stop = threading.Event()
-        self._call: grpc.Call | None = None
+        self._call: Any = None  # the open stream (a grpc.Call); cancelled to force a reconnect
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ class Session:
             retry=retry_if_exception_type((SessionEnded, grpc.RpcError, ConnectionError)),
             wait=wait_exponential_jitter(initial=0.05, max=self.max_backoff_s, jitter=0.1),
             stop=lambda state: self._stop.is_set(),
-            sleep=self._stop.wait,
+            sleep=self._sleep,
             before_sleep=self._before_retry,
             reraise=False,
         )
@@ -90,24 +91,28 @@ class Session:
                     log.exception("heartbeat session failed unexpectedly; restarting it")
                     self._stop.wait(self.max_backoff_s)
 
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
     def stop(self) -> None:
         self._stop.set()
         call = self._call
         if call is not None:
-            call.cancel()  # type: ignore[attr-defined]
+            call.cancel()
 
     def _before_retry(self, state: RetryCallState) -> None:
         self.connected = False
         self.reconnects += 1
         self.on_reconnect()
         exc = state.outcome.exception() if state.outcome else None
-        if isinstance(exc, grpc.Call):
-            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+        code = rpc_code(exc) if exc is not None else None
+        if exc is not None and code is not None:
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 self._registered = False  # unknown to this leader, or a stale incarnation: register again
             else:
-                self.client.follow(exc)  # type: ignore[arg-type]  # a standby's hint, or the next endpoint
+                self.client.follow(exc)  # a standby's hint, or the next endpoint
             log.info("heartbeat session to %s ended (%s: %s); retry %d", self.client.current,
-                     exc.code().name, exc.details(), state.attempt_number)
+                     code.name, rpc_details(exc), state.attempt_number)
         elif exc is not None:
             log.info("heartbeat session ended: %s; retry %d", exc, state.attempt_number)
 
@@ -146,7 +151,7 @@ class Session:
                 log.warning("no answer from %s for %.1fs; reconnecting", self.client.current, self.timeout_s)
                 call = self._call
                 if call is not None:
-                    call.cancel()  # type: ignore[attr-defined]
+                    call.cancel()
                 return
 
     def _session(self) -> None:

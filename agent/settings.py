@@ -24,7 +24,8 @@ class AgentSettings:
     host: str = setting("", "host name or address this node is reached at (default: the host name)")
     role: str = setting("active", "role asked for at registration: active or spare")
     labels: dict[str, str] = setting({}, "node labels KEY=VALUE[,KEY=VALUE...], e.g. rack=r1 (failure domain)")
-    coordinators: str = setting("127.0.0.1:7400", "coordinator replicas HOST:PORT[,HOST:PORT...]; the leader is followed")
+    coordinators: str = setting("127.0.0.1:7400",
+                                "coordinator replicas HOST:PORT[,HOST:PORT...]; the leader is followed")
     listen: str = setting("127.0.0.1:7410", "agent gRPC address HOST:PORT for operators and drills (port 0: any)")
     workdir: Path = setting(Path("/var/lib/ftd"), "node directory: socket, state, default tier directories")
     socket_path: Path | None = setting(None, "Unix socket for the training process (default: WORKDIR/agent.sock)")

@@ -53,11 +53,23 @@ def parse_endpoints(text: str | Sequence[str]) -> list[str]:
     return out
 
 
-def leader_hint(exc: grpc.RpcError) -> str | None:
+def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
+    """The status code of a failed call (gRPC's errors are also ``grpc.Call`` objects)."""
+    code = getattr(exc, "code", None)
+    return code() if callable(code) else None
+
+
+def rpc_details(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    return str(details()) if callable(details) else str(exc)
+
+
+def leader_hint(exc: BaseException) -> str | None:
     """The leader address a standby named in its refusal, or ``None`` if this was no refusal."""
-    if not isinstance(exc, grpc.Call) or exc.code() is not grpc.StatusCode.UNAVAILABLE:
+    if rpc_code(exc) is not grpc.StatusCode.UNAVAILABLE:
         return None
-    for key, value in exc.trailing_metadata() or ():
+    trailers = getattr(exc, "trailing_metadata", None)
+    for key, value in (trailers() if callable(trailers) else None) or ():
         if key == LEADER_METADATA_KEY:
             return str(value)
     return None
@@ -84,7 +96,7 @@ class CoordinatorClient:
                 self._channels[endpoint] = channel
         return coordinator_pb2_grpc.CoordinatorStub(channel)
 
-    def follow(self, exc: grpc.RpcError) -> bool:
+    def follow(self, exc: BaseException) -> bool:
         """Moves to the next endpoint to try after ``exc``: the named leader if any, else the next
         configured endpoint. Returns whether the request is known not to have been processed."""
         hint = leader_hint(exc)
@@ -111,9 +123,8 @@ class CoordinatorClient:
                 fn = getattr(self.stub(), method)
                 return fn(request, timeout=min(timeout_s or self.timeout_s, remaining))
             except grpc.RpcError as exc:
-                assert isinstance(exc, grpc.Call)
-                code = exc.code()
-                last = f"{self._current}: {code.name} {exc.details()}"
+                code = rpc_code(exc)
+                last = f"{self._current}: {code.name if code else '?'} {rpc_details(exc)}"
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 not_processed = self.follow(exc)

@@ -14,6 +14,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -150,10 +151,9 @@ class Controller:
         log.info("elected leader at %s: epoch %d, %d nodes known, grace %.1fs", self.address,
                  self.view.world.epoch, len(self.view.nodes), self.settings.failover_grace_s)
         self._elected.set()
-        try:
+        # The event is informational; if it cannot be written the keep-alive loop sorts leadership out.
+        with contextlib.suppress(errors.StateUnavailable, StaleStateError):
             await self._commit("leader", events=[("leader_elected", "", f"{self.replica_id} leads at {self.address}")])
-        except (errors.StateUnavailable, StaleStateError):
-            pass  # the event is informational; the keep-alive loop sorts leadership out
 
     async def _step_down(self, reason: str) -> None:
         log.warning("stepping down: %s", reason)
@@ -215,10 +215,8 @@ class Controller:
             await self._sleep(period)
 
     async def _sleep(self, seconds: float) -> None:
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
 
     # ---- commits -----------------------------------------------------------------------------
 
@@ -429,10 +427,8 @@ class Controller:
                 await self.tick()
             except Exception:  # the loop must survive any single bad tick
                 log.exception("reconciliation tick failed")
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
-            except asyncio.TimeoutError:
-                pass
             self._wake.clear()
 
     # ---- queries -----------------------------------------------------------------------------

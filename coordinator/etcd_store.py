@@ -54,8 +54,8 @@ _CHANNEL_OPTIONS = [
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
     """``"host:port,host:port"`` (an ``http://`` prefix is tolerated) → ``[(host, port), ...]``."""
     out = []
-    for part in text.split(","):
-        part = part.strip().removeprefix("http://")
+    for chunk in text.split(","):
+        part = chunk.strip().removeprefix("http://")
         if not part:
             continue
         host, sep, port = part.rpartition(":")

@@ -12,16 +12,16 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
-import grpc
 from grpc import aio
+from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
 from ftd.v1 import cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from . import errors
+from .client import LEADER_METADATA_KEY
 from .control import Controller, Stream
 
 log = logging.getLogger("ftd.coordinator.service")
-LEADER_METADATA_KEY = "ftd-leader"
 T = TypeVar("T")
 
 
@@ -70,10 +70,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             for e in events
         ])
 
-    async def Heartbeat(self, request_iterator: AsyncIterator[coordinator_pb2.HeartbeatRequest],
-                        context: aio.ServicerContext[Any, Any]) -> None:  # type: ignore[override]
+    async def Heartbeat(  # type: ignore[override]  # read/write style, not an async generator
+        self, request_iterator: AsyncIterator[coordinator_pb2.HeartbeatRequest],
+        context: aio.ServicerContext[Any, Any],
+    ) -> None:
         first = await context.read()
-        if first is aio.EOF:
+        if first is EOF:
             return
         try:
             stream = self.ctl.open_stream(first)
@@ -106,7 +108,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             while True:
                 request = await context.read()
-                if request is aio.EOF:
+                if request is EOF:
                     break
                 try:
                     self.ctl.on_heartbeat(stream, request)
@@ -133,5 +135,3 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.max_concurrent_streams", 100_000),
 ]
 
-
-__all__ = ["GRPC_SERVER_OPTIONS", "LEADER_METADATA_KEY", "CoordinatorService", "add_to_server", "grpc"]

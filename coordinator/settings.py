@@ -59,7 +59,8 @@ class CoordinatorSettings:
             require(False, "etcd_endpoints", str(exc))
         require(bool(self.cluster) and "/" not in self.cluster, "cluster", "must be non-empty without '/'")
         require(self.etcd_timeout_s > 0, "etcd_timeout_s", f"must be > 0 (got {self.etcd_timeout_s})")
-        require(self.leader_ttl_s >= 2, "leader_ttl_s", f"must be >= 2 (etcd's minimum lease TTL), got {self.leader_ttl_s}")
+        require(self.leader_ttl_s >= 2, "leader_ttl_s",
+                f"must be >= 2 (etcd's minimum lease TTL), got {self.leader_ttl_s}")
         require(self.suspect_after_s > 0, "suspect_after_s", f"must be > 0 (got {self.suspect_after_s})")
         require(self.dead_after_s > self.suspect_after_s, "dead_after_s",
                 f"must be > suspect_after_s ({self.suspect_after_s}), got {self.dead_after_s}")

@@ -68,7 +68,7 @@ class ClusterView:
     def rank_of(self, node_id: str) -> int:
         return self._rank.get(node_id, -1)
 
-    def state_of(self, node_id: str) -> tuple[int, str]:
+    def state_of(self, node_id: str) -> tuple[cluster_pb2.NodeState.ValueType, str]:
         node = self.nodes[node_id]
         if node.fence is not None:
             return cluster_pb2.NODE_STATE_FENCED, f"fenced at epoch {node.fence.epoch}: {node.fence.reason}"

@@ -20,7 +20,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 
@@ -138,8 +138,8 @@ def _parse_mapping(raw: Any) -> dict[str, str]:
     if isinstance(raw, Mapping):
         return {str(k): str(v) for k, v in raw.items()}
     out: dict[str, str] = {}
-    for part in str(raw).split(","):
-        part = part.strip()
+    for chunk in str(raw).split(","):
+        part = chunk.strip()
         if not part:
             continue
         key, sep, value = part.partition("=")
@@ -211,7 +211,7 @@ def load(
     except SystemExit as exc:  # argparse already printed usage; keep its exit code (2)
         raise SettingsError("argv", "invalid command line") from exc
     hints = _field_types(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
     values: dict[str, Any] = {}
 
     config_path = ns.pop("config", None) or env.get(env_name(env_prefix, "config"))

@@ -1,0 +1,191 @@
+"""``ftctl``: the operator CLI, a thin ``main(argv)`` over :mod:`ftd.coordinator.client`,
+:mod:`.localcluster` and :mod:`.drill`. Every read command takes ``--json``.
+
+Exit codes: 0 ok, 1 the operation ran and failed (a drill missed its target, a cluster did not form),
+2 bad usage, 3 the coordinator could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable, rpc_code, rpc_details
+from ftd.v1 import cluster_pb2
+
+from . import drill, localcluster, render
+
+ENV_COORDINATOR = "FTD_COORDINATOR"
+ENV_DRILL_TOKEN = "FTD_DRILL_TOKEN"
+DEFAULT_COORDINATOR = "127.0.0.1:7400"
+
+
+class UsageError(Exception):
+    pass
+
+
+def _global_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", help=f"coordinator replicas HOST:PORT[,HOST:PORT...] (env {ENV_COORDINATOR}; "
+                                         f"default: DIR/cluster.json with --workdir, else {DEFAULT_COORDINATOR})")
+    p.add_argument("--workdir", type=Path, help="a local cluster started by 'ftctl up' (reads DIR/cluster.json)")
+    p.add_argument("--timeout", type=float, help="per-call deadline [s] (default 5)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftctl", description="Operate an ftd cluster.")
+    _global_options(p)
+    # The global options are accepted after the command too (ftctl up --workdir DIR).
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    _global_options(common)
+    sub = p.add_subparsers(dest="command", required=True)
+    _add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return _add(name, parents=[common], **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
+
+    up = sub.add_parser("up", help="start a local cluster: etcd, coordinator(s), agents")
+    up.add_argument("--nodes", type=int, default=2, help="active nodes (default 2)")
+    up.add_argument("--spares", type=int, default=1, help="spare nodes (default 1)")
+    up.add_argument("--coordinators", type=int, default=1, help="coordinator replicas (default 1)")
+    up.add_argument("--etcd-endpoints", help="use this etcd instead of starting one")
+    up.add_argument("--racks", type=int, default=0, help="spread nodes over this many rack labels")
+    up.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the cluster [s]")
+    sub.add_parser("down", help="stop everything 'ftctl up' started in --workdir")
+
+    for name, help_text in (("status", "leader, epoch, world, spares, dead nodes"),
+                            ("nodes", "every registered node with its state"),
+                            ("events", "the coordinator's event log, newest first")):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "events":
+            cmd.add_argument("--limit", type=int, default=50)
+
+    d = sub.add_parser("drill", help="fault drills against the live cluster")
+    d.add_argument("--kill-node", metavar="NODE", required=True, help="SIGKILL this node's agent and workers")
+    d.add_argument("--token", help=f"drill token (env {ENV_DRILL_TOKEN}; default: from --workdir)")
+    d.add_argument("--target-detect-s", type=float, default=3.0, help="detection SLO [s] (default 3)")
+    d.add_argument("--drill-timeout", type=float, default=30.0, help="give up measuring after [s]")
+    d.add_argument("--json", action="store_true")
+    return p
+
+
+def _resolve_coordinator(args: argparse.Namespace, env: dict[str, str]) -> str:
+    flag, from_env = args.coordinator, env.get(ENV_COORDINATOR)
+    if flag and from_env and flag != from_env:
+        raise UsageError(f"--coordinator={flag} conflicts with {ENV_COORDINATOR}={from_env}; unset one of them")
+    if flag or from_env:
+        return str(flag or from_env)
+    if args.workdir is not None:
+        return localcluster.ClusterFile.load(args.workdir.resolve()).coordinator_endpoints
+    return DEFAULT_COORDINATOR
+
+
+def _resolve_token(args: argparse.Namespace, env: dict[str, str]) -> str:
+    flag, from_env = args.token, env.get(ENV_DRILL_TOKEN)
+    if flag and from_env and flag != from_env:
+        raise UsageError(f"--token conflicts with {ENV_DRILL_TOKEN}; unset one of them")
+    if flag or from_env:
+        return str(flag or from_env)
+    if args.workdir is not None:
+        return localcluster.ClusterFile.load(args.workdir.resolve()).drill_token
+    raise UsageError(f"a drill needs the drill token: --token, {ENV_DRILL_TOKEN}, or --workdir of a local cluster")
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=False))
+
+
+def status_dict(status: Any) -> dict[str, Any]:
+    return {
+        "leader": status.leader_id, "leader_address": status.leader_address, "epoch": status.epoch,
+        "world": list(status.world), "target_world_size": status.target_world_size,
+        "spares": list(status.spares), "dead": list(status.dead), "suspect": list(status.suspect),
+        "degraded": status.degraded, "degraded_reason": status.degraded_reason,
+        "last_change_reason": status.last_change_reason, "last_change_unix_s": status.last_change_unix_s,
+        "etcd_reachable": status.etcd_reachable,
+    }
+
+
+def node_dict(n: Any) -> dict[str, Any]:
+    return {
+        "node_id": n.node_id, "host": n.host, "pid": n.pid,
+        "role": "active" if n.role == cluster_pb2.ROLE_ACTIVE else "spare",
+        "state": cluster_pb2.NodeState.Name(n.state).removeprefix("NODE_STATE_").lower(),
+        "rank": n.rank, "epoch": n.epoch, "last_heartbeat_age_s": round(n.last_heartbeat_age_s, 3),
+        "labels": dict(n.labels), "agent_address": n.agent_address, "state_reason": n.state_reason,
+        "step": n.progress.step if n.HasField("progress") else None,
+        "health": json_format.MessageToDict(n.health, preserving_proto_field_name=True),
+    }
+
+
+def run(argv: Sequence[str], env: dict[str, str]) -> int:
+    args = _parser().parse_args(list(argv))
+    if args.command == "up":
+        if args.workdir is None:
+            raise UsageError("ftctl up needs --workdir DIR")
+        cluster = localcluster.up(args.workdir, args.nodes, args.spares, args.coordinators, args.etcd_endpoints,
+                                  args.racks, args.start_timeout)
+        print(f"cluster up in {cluster.workdir}: {args.nodes} active + {args.spares} spare nodes, "
+              f"etcd {cluster.etcd_endpoints}")
+        print(f"coordinator: {cluster.coordinator_endpoints}")
+        print(f"  export {ENV_COORDINATOR}={cluster.coordinator_endpoints}")
+        return 0
+    if args.command == "down":
+        if args.workdir is None:
+            raise UsageError("ftctl down needs --workdir DIR")
+        stopped = localcluster.stop(localcluster.ClusterFile.load(args.workdir.resolve()))
+        print(f"stopped {len(stopped)} processes: {', '.join(stopped) or 'none were running'}")
+        return 0
+
+    client = CoordinatorClient(_resolve_coordinator(args, env), timeout_s=args.timeout or 5.0)
+    try:
+        if args.command == "status":
+            data = status_dict(client.status())
+            _print_json(data) if args.json else print(render.status(data))
+        elif args.command == "nodes":
+            nodes = [node_dict(n) for n in client.nodes().nodes]
+            _print_json(nodes) if args.json else print(render.nodes(nodes))
+        elif args.command == "events":
+            events = [json_format.MessageToDict(e, preserving_proto_field_name=True)
+                      for e in client.events(args.limit).events]
+            _print_json(events) if args.json else print(render.events(events))
+        elif args.command == "drill":
+            result = drill.kill_node(client, args.kill_node, _resolve_token(args, env), args.target_detect_s,
+                                     args.drill_timeout)
+            _print_json(result.as_dict()) if args.json else print(render.drill(result.as_dict()))
+            return 0 if result.passed else 1
+        return 0
+    finally:
+        client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv, dict(os.environ))
+    except UsageError as exc:
+        print(f"ftctl: {exc}", file=sys.stderr)
+        return 2
+    except CoordinatorUnreachable as exc:
+        print(f"ftctl: {exc}", file=sys.stderr)
+        return 3
+    except grpc.RpcError as exc:
+        code = rpc_code(exc)
+        print(f"ftctl: coordinator answered {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
+        return 1
+    except (localcluster.ClusterError, drill.DrillError) as exc:
+        print(f"ftctl: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""``ftctl up`` / ``ftctl down``: a whole ftd cluster on this machine, as separate background processes.
+
+An etcd started for us on free loopback ports (data under the workdir: the embedded default), one or
+more coordinator replicas, and N active + S spare agents, each with its own node directory. What was
+started is recorded in ``DIR/cluster.json``; ``down`` stops exactly those processes, after checking
+that each pid still runs a command line naming the workdir (a pid can be reused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftd.coordinator.client import CoordinatorClient
+
+from .etcd_server import EtcdCluster
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterFile:
+    workdir: str
+    coordinator_endpoints: str
+    etcd_endpoints: str
+    etcd_external: bool
+    drill_token: str
+    etcd: list[Proc] = field(default_factory=list)
+    coordinators: list[Proc] = field(default_factory=list)
+    agents: list[Proc] = field(default_factory=list)
+    created_unix_s: float = 0.0
+
+    @staticmethod
+    def path(workdir: Path) -> Path:
+        return workdir / "cluster.json"
+
+    def save(self) -> None:
+        path = self.path(Path(self.workdir))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, workdir: Path) -> ClusterFile:
+        path = cls.path(workdir)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ClusterError(f"{path} does not exist: no cluster was started with --workdir {workdir}") from exc
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ClusterError(f"{path} is unreadable: {exc}") from exc
+        try:
+            for key in ("etcd", "coordinators", "agents"):
+                data[key] = [Proc(**p) for p in data.get(key, [])]
+            return cls(**data)
+        except TypeError as exc:
+            raise ClusterError(f"{path} is not an ftctl cluster file: {exc}") from exc
+
+    def all_procs(self) -> list[Proc]:
+        return [*self.agents, *self.coordinators, *self.etcd]
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], deadline: float, log: Path) -> dict[str, Any]:
+    while time.monotonic() < deadline:
+        if path.exists():
+            return dict(json.loads(path.read_text()))
+        if proc.poll() is not None:
+            raise ClusterError(f"{path.stem} exited with code {proc.returncode} before serving: {_tail(log)}")
+        time.sleep(0.05)
+    raise ClusterError(f"{path.stem} did not become ready in time: {_tail(log)}")
+
+
+def _tail(path: Path, chars: int = 600) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:].strip()
+    except OSError:
+        return "(no log)"
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def up(
+    workdir: Path,
+    nodes: int,
+    spares: int,
+    coordinators: int = 1,
+    etcd_endpoints: str | None = None,
+    racks: int = 0,
+    timeout_s: float = 60.0,
+    extra_coordinator_args: list[str] | None = None,
+    extra_agent_args: list[str] | None = None,
+) -> ClusterFile:
+    """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks."""
+    if nodes < 1 or spares < 0 or coordinators < 1:
+        raise ClusterError("need --nodes >= 1, --spares >= 0 and --coordinators >= 1")
+    workdir = workdir.resolve()
+    if ClusterFile.path(workdir).exists():
+        existing = ClusterFile.load(workdir)
+        if any(_owned(p, workdir) for p in existing.all_procs()):
+            raise ClusterError(f"a cluster already runs from {workdir}; run 'ftctl down --workdir {workdir}' first")
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    (workdir / "run").mkdir(exist_ok=True)
+    for stale in (workdir / "run").glob("*.json"):
+        stale.unlink()
+    deadline = time.monotonic() + timeout_s
+    cluster = ClusterFile(str(workdir), "", etcd_endpoints or "", etcd_endpoints is not None,
+                          secrets.token_hex(16), created_unix_s=time.time())
+    try:
+        if etcd_endpoints is None:
+            etcd = EtcdCluster(workdir / "etcd", size=1, detach=True).start(timeout_s=min(20.0, timeout_s))
+            cluster.etcd_endpoints = etcd.endpoints
+            cluster.etcd = [Proc(m.name, m.pid or 0, {"client_url": m.client_url, "data_dir": str(m.data_dir)})
+                            for m in etcd.members]
+            cluster.save()
+        py = sys.executable
+        for i in range(coordinators):
+            ready = workdir / "run" / f"coordinator-{i}.json"
+            log = workdir / "logs" / f"coordinator-{i}.log"
+            proc = _spawn([py, "-m", "ftd.coordinator.main", "--etcd-endpoints", cluster.etcd_endpoints,
+                           "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                           "--replica-id", f"coordinator-{i}", "--cluster", "local",
+                           "--ready-file", str(ready), *(extra_coordinator_args or [])], log)
+            cluster.coordinators.append(Proc(f"coordinator-{i}", proc.pid))
+            cluster.save()
+            cluster.coordinators[-1].info = _wait_file(ready, proc, deadline, log)
+        cluster.coordinator_endpoints = ",".join(c.info["address"] for c in cluster.coordinators)
+        cluster.save()
+        procs = []
+        for i in range(nodes + spares):
+            node_id = f"node-{i}"
+            role = "active" if i < nodes else "spare"
+            node_dir = workdir / "nodes" / node_id
+            ready = workdir / "run" / f"{node_id}.json"
+            log = workdir / "logs" / f"{node_id}.log"
+            labels = f"rack=r{i % racks}" if racks else ""
+            argv = [py, "-m", "ftd.agent.main", "--node-id", node_id, "--host", "127.0.0.1", "--role", role,
+                    "--coordinators", cluster.coordinator_endpoints, "--listen", "127.0.0.1:0",
+                    "--metrics-listen", "127.0.0.1:0", "--workdir", str(node_dir),
+                    "--ready-file", str(ready), "--drill-token", cluster.drill_token,
+                    *(["--labels", labels] if labels else []), *(extra_agent_args or [])]
+            proc = _spawn(argv, log)
+            procs.append((proc, ready, log))
+            cluster.agents.append(Proc(node_id, proc.pid, {"role": role, "workdir": str(node_dir)}))
+            cluster.save()
+        for agent, (proc, ready, log) in zip(cluster.agents, procs, strict=True):
+            agent.info.update(_wait_file(ready, proc, deadline, log))
+        cluster.save()
+        wait_formed(cluster.coordinator_endpoints, nodes, spares, deadline)
+        return cluster
+    except BaseException:
+        stop(cluster)
+        raise
+
+
+def wait_formed(endpoints: str, nodes: int, spares: int, deadline: float) -> None:
+    client = CoordinatorClient(endpoints, timeout_s=2.0)
+    last = "no answer"
+    try:
+        while time.monotonic() < deadline:
+            try:
+                status = client.status(deadline_s=max(0.5, deadline - time.monotonic()))
+                listed = client.nodes()
+                alive = sum(1 for n in listed.nodes if n.state == 1)
+                if len(status.world) == nodes and len(status.spares) == spares and alive == nodes + spares:
+                    return
+                last = f"world {list(status.world)}, spares {list(status.spares)}, {alive} alive"
+            except ConnectionError as exc:
+                last = str(exc)
+            time.sleep(0.1)
+        raise ClusterError(f"cluster did not form in time: {last}")
+    finally:
+        client.close()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _owned(proc: Proc, workdir: Path) -> bool:
+    """True when ``proc.pid`` is alive and its command line names our workdir (not a reused pid)."""
+    return proc.pid > 0 and str(workdir) in _cmdline(proc.pid)
+
+
+def stop(cluster: ClusterFile, timeout_s: float = 10.0) -> list[str]:
+    """Stops agents, then coordinators, then etcd (SIGTERM, SIGKILL after ``timeout_s``)."""
+    workdir = Path(cluster.workdir)
+    stopped = []
+    for group in (cluster.agents, cluster.coordinators, cluster.etcd):
+        mine = [p for p in group if _owned(p, workdir)]
+        for p in mine:
+            _signal(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while any(_owned(p, workdir) for p in mine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in mine:
+            if _owned(p, workdir):
+                _signal(p.pid, signal.SIGKILL)
+            stopped.append(p.name)
+    return stopped
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each daemon leads its own session: its children go too
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -1,0 +1,66 @@
+"""Human-readable output of ftctl's read commands (``--json`` bypasses this module)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def status(s: dict[str, Any]) -> str:
+    lines = [
+        f"leader:   {s['leader']} ({s['leader_address']})",
+        f"epoch:    {s['epoch']}",
+        f"world:    {', '.join(f'{r}:{n}' for r, n in enumerate(s['world'])) or '(empty)'}"
+        f"  [{len(s['world'])}/{s['target_world_size']} ranks]",
+        f"spares:   {', '.join(s['spares']) or 'none'}",
+        f"dead:     {', '.join(s['dead']) or 'none'}",
+    ]
+    if s["suspect"]:
+        lines.append(f"suspect:  {', '.join(s['suspect'])}")
+    if s["degraded"]:
+        lines.append(f"DEGRADED: {s['degraded_reason']}")
+    if not s["etcd_reachable"]:
+        lines.append("WARNING:  etcd is unreachable; membership changes are on hold")
+    lines.append(f"last change: {s['last_change_reason']}")
+    return "\n".join(lines)
+
+
+def nodes(items: Sequence[dict[str, Any]]) -> str:
+    rows = [
+        (n["node_id"], n["host"], n["pid"], n["role"], n["state"], n["rank"] if n["rank"] >= 0 else "-",
+         n["epoch"], f"{n['last_heartbeat_age_s']:.2f}s" if n["last_heartbeat_age_s"] >= 0 else "-",
+         n["step"] if n["step"] is not None and n["step"] >= 0 else "-",
+         n["state_reason"] if n["state"] != "alive" else "")
+        for n in items
+    ]
+    return table(("NODE", "HOST", "PID", "ROLE", "STATE", "RANK", "EPOCH", "HEARTBEAT", "STEP", "WHY"), rows)
+
+
+def events(items: Sequence[dict[str, Any]]) -> str:
+    rows = [
+        (e.get("seq"), time.strftime("%H:%M:%S", time.localtime(float(e.get("at_unix_s", 0)))), e.get("kind"),
+         e.get("node_id", ""), e.get("epoch", 0), e.get("message"))
+        for e in items
+    ]
+    return table(("SEQ", "TIME", "KIND", "NODE", "EPOCH", "MESSAGE"), rows)
+
+
+def drill(r: dict[str, Any]) -> str:
+    detected = f"{r['detected_s']:.2f}s" if r["detected_s"] is not None else "not detected"
+    committed = f"{r['committed_s']:.2f}s" if r["committed_s"] is not None else "-"
+    return "\n".join([
+        f"killed:      {r['node']} (rank {r['rank'] if r['rank'] >= 0 else 'none: spare'})",
+        f"detected:    {detected} after the kill (target {r['target_detect_s']:g}s)",
+        f"new epoch:   {r['epoch_before']} -> {r['epoch_after']} at {committed}",
+        f"replacement: {r['replacement'] or 'none'}",
+        f"verdict:     {r['verdict']}",
+    ])
