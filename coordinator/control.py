@@ -157,7 +157,7 @@ class Controller:
 
     async def _step_down(self, reason: str) -> None:
         log.warning("stepping down: %s", reason)
-        self.lease, self.view, self.suspended = None, None, False
+        self.lease, self.view, self.suspended, self.known_leader = None, None, False, None
         self._elected.clear()
         self.metrics.is_leader.set(0)
         set_identity(role="standby")
@@ -332,8 +332,10 @@ class Controller:
 
     def on_heartbeat(self, stream: Stream, req: coordinator_pb2.HeartbeatRequest) -> None:
         view = self.require_leader()
-        if req.node_id != stream.node_id or req.incarnation != stream.incarnation:
-            raise errors.InvalidArgument("node_id", f"changed within one stream ({stream.node_id} → {req.node_id})")
+        if req.node_id != stream.node_id:
+            raise errors.InvalidArgument("node_id", f"changed within one stream ({stream.node_id} -> {req.node_id})")
+        if req.incarnation != stream.incarnation:
+            raise errors.InvalidArgument("incarnation", f"changed within the stream of node {stream.node_id}")
         live = view.liveness.get(req.node_id)
         runtime = view.runtime.get(req.node_id)
         if live is None or runtime is None:

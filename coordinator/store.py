@@ -115,7 +115,7 @@ class MemoryStore:
     off makes every call raise :class:`StoreUnavailable`, like an unreachable etcd."""
 
     clock: Callable[[], float] = time.monotonic
-    available: bool = True
+    _available: bool = True
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     world: World = field(default_factory=World)
     world_revision: int = 0
@@ -126,8 +126,20 @@ class MemoryStore:
     _next_lease: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    @available.setter
+    def available(self, value: bool) -> None:
+        """Switching back on extends the leader's lease, as etcd does when it restarts."""
+        with self._lock:
+            if value and not self._available and self._leader is not None:
+                self._leader.expires = self.clock() + self._leader.lease.ttl_s
+            self._available = value
+
     def _check(self, op: str) -> None:
-        if not self.available:
+        if not self._available:
             raise StoreUnavailable(op, "memory store switched off")
         if self._leader is not None and self.clock() >= self._leader.expires:
             self._leader = None

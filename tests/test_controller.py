@@ -1,0 +1,224 @@
+"""The control loop on the in-memory store with a hand-moved clock: registration, detection,
+promotion, failover grace, and never acting on state that could not be committed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+from ftd.coordinator import errors
+from ftd.coordinator.control import Controller
+from ftd.coordinator.settings import CoordinatorSettings
+from ftd.coordinator.store import MemoryStore
+from ftd.v1 import cluster_pb2, coordinator_pb2
+
+T = TypeVar("T")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(fn())  # type: ignore[arg-type]
+
+
+def make(store: MemoryStore, clock: Clock, rid: str = "c0") -> Controller:
+    settings = CoordinatorSettings(replica_id=rid, failover_grace_s=5.0)
+    return Controller(store, settings, f"127.0.0.1:{7400 + int(rid[1:])}", clock=clock)
+
+
+def reg(node_id: str, role: int = cluster_pb2.ROLE_ACTIVE, host: str = "10.0.0.1",
+        inc: str = "i1", rack: str = "") -> coordinator_pb2.RegisterRequest:
+    return coordinator_pb2.RegisterRequest(node_id=node_id, host=host, role=role,  # type: ignore[arg-type]
+                                           labels={"rack": rack} if rack else {}, agent_address="127.0.0.1:9",
+                                           pid=1, incarnation=inc)
+
+
+def hb(ctl: Controller, node_id: str, inc: str = "i1") -> None:
+    stream = ctl.streams.get(node_id)
+    req = coordinator_pb2.HeartbeatRequest(node_id=node_id, incarnation=inc, seq=1)
+    if stream is None:
+        ctl.open_stream(req)
+    else:
+        ctl.on_heartbeat(stream, req)
+
+
+async def step(ctl: Controller, clock: Clock, beats: tuple[str, ...] = (), n: int = 1) -> None:
+    """Moves time by ``n`` ticks of 0.1 s: heartbeats from ``beats``, the leader's keep-alive once a
+    second, one detection tick each."""
+    for _ in range(n):
+        clock.advance(0.1)
+        for node_id in beats:
+            with contextlib.suppress(errors.NotLeader):  # a refused agent backs off and retries
+                hb(ctl, node_id)
+        if ctl.lease is not None and round(clock.now * 10) % 10 == 0:
+            await ctl._leader_step()
+        await ctl.tick()
+
+
+async def cluster(ctl: Controller, clock: Clock) -> None:
+    await ctl._standby_step()
+    assert ctl.is_leader
+    await step(ctl, clock, n=60)  # past the new leader's grace
+    for node_id in ("a", "b"):
+        await ctl.register(reg(node_id))
+    await ctl.register(reg("s", cluster_pb2.ROLE_SPARE))
+    for node_id in ("a", "b", "s"):
+        hb(ctl, node_id)
+    await ctl.tick()
+
+
+def test_register_heartbeat_kill_promote() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        assert store.world.ranks == ("a", "b") and store.world.epoch == 1
+        writes = store.writes
+        await step(ctl, clock, ("a", "b", "s"), n=20)  # 2 s of heartbeats: no etcd write at all
+        assert store.writes == writes
+        ctl.close_stream(ctl.streams["a"])  # a is SIGKILLed: its socket closes
+        await step(ctl, clock, ("b", "s"), n=16)
+        assert store.world.epoch == 2 and store.world.ranks == ("s", "b")
+        assert store.nodes["a"].fence is not None and store.nodes["a"].fence.epoch == 2
+        status = ctl.status()
+        assert list(status.dead) == ["a"] and list(status.world) == ["s", "b"]
+        infos = {n.node_id: n for n in ctl.nodes().nodes}
+        assert infos["a"].state == cluster_pb2.NODE_STATE_FENCED
+
+        # The fenced node's agent comes back: it rejoins only as a spare.
+        resp = await ctl.register(reg("a", inc="i2"))
+        assert resp.assignment.role == cluster_pb2.ROLE_SPARE and resp.assignment.rank == -1
+        assert "rejoins as a spare" in resp.message
+        assert store.world.ranks == ("s", "b")
+        await ctl.stop()
+
+    run(scenario)
+
+
+def test_nothing_is_acted_on_while_the_store_is_unreachable() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        store.available = False
+        ctl.close_stream(ctl.streams["a"])
+        await step(ctl, clock, ("b", "s"), n=30)  # 3 s: a is dead, but nothing can be committed
+        assert ctl.view is not None
+        assert ctl.view.world.epoch == 1 and ctl.view.world.ranks == ("a", "b"), "acted without a commit"
+        assert ctl.view.nodes["a"].fence is None
+        await step(ctl, clock, ("b", "s"), n=20)  # past the lease TTL: the leader suspends itself
+        assert ctl.suspended and not ctl.is_leader and not ctl.streams
+        with pytest.raises(errors.NotLeader, match="cannot confirm its leadership"):
+            await ctl.register(reg("c"))
+        assert store.world.epoch == 1 and store.nodes["a"].fence is None
+        store.available = True
+        await step(ctl, clock, n=10)  # keep-alive succeeds: leadership resumes, state reloaded
+        assert ctl.is_leader and ctl.status().etcd_reachable
+        await step(ctl, clock, ("b", "s"), n=20)  # agents reconnect; a's grace still runs
+        assert store.world.epoch == 1
+        await step(ctl, clock, ("b", "s"), n=40)  # grace over: a, silent all along, is replaced
+        assert store.world.ranks == ("s", "b") and store.world.epoch == 2
+        await ctl.stop()
+
+    run(scenario)
+
+
+def test_new_leader_gives_grace_and_old_leader_cannot_commit() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        old = make(store, clock, "c0")
+        await cluster(old, clock)
+        lease = old.lease
+        assert lease is not None
+        clock.advance(4.0)  # the old leader stops refreshing: its lease (ttl 3 s) expires
+        new = make(store, clock, "c1")
+        await new._standby_step()
+        assert new.is_leader
+        # Nobody heartbeats to the new leader yet: grace protects every node.
+        await step(new, clock, n=45)
+        assert store.world.epoch == 1 and all(n.fence is None for n in store.nodes.values())
+        # Agents reconnect within the grace period.
+        await step(new, clock, ("a", "b", "s"), n=20)
+        assert store.world.epoch == 1 and all(n.fence is None for n in store.nodes.values())
+        # The deposed leader still believes it leads; its commits are refused by the guard.
+        old.view.liveness["b"].last_seen -= 100  # type: ignore[union-attr]
+        await old.tick()
+        assert store.world.epoch == 1
+        await old._leader_step()
+        assert not old.is_leader
+        with pytest.raises(errors.NotLeader) as err:
+            old.require_leader()
+        assert err.value.leader_address == ""  # a stepped-down leader points nowhere until it polls
+        await old._standby_step()
+        assert old.leader_address() == new.address
+        await new.stop()
+        await old.stop()
+
+    run(scenario)
+
+
+def test_registration_conflicts() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        with pytest.raises(errors.NodeIdTaken, match=r"held by a live node on host '10\.0\.0\.1'"):
+            await ctl.register(reg("a", host="10.0.0.99", inc="x"))
+        again = await ctl.register(reg("a"))
+        assert again.message == "already registered"
+        restarted = await ctl.register(reg("b", inc="i9"))  # same host, new incarnation: keeps its rank
+        assert restarted.assignment.rank == 1 and "keeps rank 1" in restarted.message
+        with pytest.raises(errors.StaleIncarnation, match="re-register"):
+            ctl.open_stream(coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="old"))
+        with pytest.raises(errors.InvalidArgument) as err:
+            ctl.on_heartbeat(ctl.streams["a"], coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="old"))
+        assert err.value.field == "incarnation"
+        with pytest.raises(errors.NodeNotFound, match="'ghost'"):
+            ctl.open_stream(coordinator_pb2.HeartbeatRequest(node_id="ghost", incarnation="x"))
+        await ctl.stop()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("node_id", {"node_id": ""}),
+        ("node_id", {"node_id": "../../etc"}),
+        ("host", {"host": ""}),
+        ("role", {"role": 0}),
+        ("labels", {"labels": {"bad key": "x"}}),
+        ("agent_address", {"agent_address": "nowhere"}),
+        ("pid", {"pid": -3}),
+        ("incarnation", {"incarnation": ""}),
+    ],
+)
+def test_malformed_registration_names_the_field(field: str, change: dict[str, object]) -> None:
+    from ftd.coordinator.control import validate_register
+
+    req = reg("a")
+    for key, value in change.items():
+        if key == "labels":
+            req.labels.update(value)  # type: ignore[arg-type]
+        else:
+            setattr(req, key, value)
+    with pytest.raises(errors.InvalidArgument) as err:
+        validate_register(req)
+    assert err.value.field == field
