@@ -34,6 +34,7 @@ class AgentDaemon:
         self.supervisor = Supervisor()
         self.gpu = health.GpuProbe()
         self._progress = cluster_pb2.Progress(step=-1)
+        self.metrics.training_step.set(-1)
         self._progress_lock = threading.Lock()
         self._stop = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ftd-agent-rpc"))
@@ -77,13 +78,8 @@ class AgentDaemon:
         self.metrics.rank.set(assignment.rank)
         set_identity(epoch=assignment.epoch, rank=assignment.rank)
 
-    def _on_heartbeat(self) -> None:
-        self.metrics.heartbeats.inc()
-        self.metrics.connected.set(1 if self.session.connected else 0)
-
-    def _on_reconnect(self) -> None:
-        self.metrics.connected.set(0)
-        self.metrics.reconnects.inc()
+    def _on_connected(self, up: bool) -> None:
+        self.metrics.connected.set(1 if up else 0)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -110,7 +106,8 @@ class AgentDaemon:
             self.client, Identity(self.node_id, s.effective_host, role, dict(s.labels), self.address),
             s.heartbeat_interval_s, s.coordinator_timeout_s, s.reconnect_max_backoff_s,
             health=self.health, progress=self.progress, on_assignment=self._on_assignment,
-            on_heartbeat=self._on_heartbeat, on_reconnect=self._on_reconnect,
+            on_heartbeat=self.metrics.heartbeats.inc, on_reconnect=self.metrics.reconnects.inc,
+            on_connected=self._on_connected,
         )
         set_identity(node=self.node_id)
         threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()

@@ -51,6 +51,7 @@ class Session:
         on_assignment: Callable[[cluster_pb2.Assignment], None] = lambda a: None,
         on_heartbeat: Callable[[], None] = lambda: None,
         on_reconnect: Callable[[], None] = lambda: None,
+        on_connected: Callable[[bool], None] = lambda up: None,
     ) -> None:
         self.client = client
         self.identity = identity
@@ -62,6 +63,7 @@ class Session:
         self.on_assignment = on_assignment
         self.on_heartbeat = on_heartbeat
         self.on_reconnect = on_reconnect
+        self.on_connected = on_connected
         self.incarnation = uuid.uuid4().hex
         self.assignment = cluster_pb2.Assignment(rank=-1)
         self.connected = False
@@ -167,6 +169,7 @@ class Session:
                 self._last_answer = time.monotonic()
                 if not self.connected:
                     self.connected = True
+                    self.on_connected(True)
                     self.leader_address = self.client.current
                     log.info("heartbeating to leader %s at %s", response.leader_id, self.client.current)
                 self._apply(response.assignment)
@@ -178,7 +181,9 @@ class Session:
                     raise SessionEnded("fenced")
         finally:
             self._call = None
-            self.connected = False
+            if self.connected:
+                self.connected = False
+                self.on_connected(False)
         if not self._stop.is_set():
             raise SessionEnded(f"heartbeat stream to {self.client.current} closed")
 

@@ -147,24 +147,12 @@ def up(
             cluster.coordinators[-1].info = _wait_file(ready, proc, deadline, log)
         cluster.coordinator_endpoints = ",".join(c.info["address"] for c in cluster.coordinators)
         cluster.save()
-        procs = []
+        started = []
         for i in range(nodes + spares):
-            node_id = f"node-{i}"
-            role = "active" if i < nodes else "spare"
-            node_dir = workdir / "nodes" / node_id
-            ready = workdir / "run" / f"{node_id}.json"
-            log = workdir / "logs" / f"{node_id}.log"
-            labels = f"rack=r{i % racks}" if racks else ""
-            argv = [py, "-m", "ftd.agent.main", "--node-id", node_id, "--host", "127.0.0.1", "--role", role,
-                    "--coordinators", cluster.coordinator_endpoints, "--listen", "127.0.0.1:0",
-                    "--metrics-listen", "127.0.0.1:0", "--workdir", str(node_dir),
-                    "--ready-file", str(ready), "--drill-token", cluster.drill_token,
-                    *(["--labels", labels] if labels else []), *(extra_agent_args or [])]
-            proc = _spawn(argv, log)
-            procs.append((proc, ready, log))
-            cluster.agents.append(Proc(node_id, proc.pid, {"role": role, "workdir": str(node_dir)}))
-            cluster.save()
-        for agent, (proc, ready, log) in zip(cluster.agents, procs, strict=True):
+            labels = {"rack": f"r{i % racks}"} if racks else {}
+            started.append(spawn_agent(cluster, f"node-{i}", "active" if i < nodes else "spare", labels,
+                                       extra_agent_args))
+        for agent, (proc, ready, log) in zip(cluster.agents, started, strict=True):
             agent.info.update(_wait_file(ready, proc, deadline, log))
         cluster.save()
         wait_formed(cluster.coordinator_endpoints, nodes, spares, deadline)
@@ -172,6 +160,39 @@ def up(
     except BaseException:
         stop(cluster)
         raise
+
+
+def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str, str] | None = None,
+                extra_args: list[str] | None = None) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Starts (or restarts) one agent of ``cluster`` and records it; returns (process, ready file, log).
+    The caller waits on the ready file (:func:`wait_agent`)."""
+    workdir = Path(cluster.workdir)
+    node_dir = workdir / "nodes" / node_id
+    ready = workdir / "run" / f"{node_id}.json"
+    log = workdir / "logs" / f"{node_id}.log"
+    ready.unlink(missing_ok=True)
+    label_text = ",".join(f"{k}={v}" for k, v in (labels or {}).items())
+    argv = [sys.executable, "-m", "ftd.agent.main", "--node-id", node_id, "--host", "127.0.0.1", "--role", role,
+            "--coordinators", cluster.coordinator_endpoints, "--listen", "127.0.0.1:0",
+            "--metrics-listen", "127.0.0.1:0", "--workdir", str(node_dir),
+            "--ready-file", str(ready), "--drill-token", cluster.drill_token,
+            *(["--labels", label_text] if label_text else []), *(extra_args or [])]
+    proc = _spawn(argv, log)
+    cluster.agents = [a for a in cluster.agents if a.name != node_id]
+    cluster.agents.append(Proc(node_id, proc.pid, {"role": role, "workdir": str(node_dir), "labels": labels or {}}))
+    cluster.save()
+    return proc, ready, log
+
+
+def wait_agent(cluster: ClusterFile, node_id: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> Proc:
+    """Waits for a spawned agent's ready file and records what it reports (address, socket, pid)."""
+    workdir = Path(cluster.workdir)
+    info = _wait_file(workdir / "run" / f"{node_id}.json", proc, time.monotonic() + timeout_s,
+                      workdir / "logs" / f"{node_id}.log")
+    agent = next(a for a in cluster.agents if a.name == node_id)
+    agent.info.update(info)
+    cluster.save()
+    return agent
 
 
 def wait_formed(endpoints: str, nodes: int, spares: int, deadline: float) -> None:

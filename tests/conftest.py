@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ftd.ftctl.etcd_server import EtcdCluster
+from ftd.ftctl.localcluster import ClusterFile, stop, up
 
 
 @pytest.fixture
@@ -28,3 +29,13 @@ def etcd3(tmp_path: Path) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def local_cluster(tmp_path: Path) -> Iterator[ClusterFile]:
+    """A whole local cluster (etcd, one coordinator, 2 active + 1 spare agents) as real processes."""
+    cluster = up(tmp_path / "cluster", nodes=2, spares=1)
+    try:
+        yield cluster
+    finally:
+        stop(cluster)

@@ -1,0 +1,1 @@
+"""Fault-injection scenarios against real processes; :mod:`.faults` is the fault library."""
