@@ -343,6 +343,7 @@ class Controller:
         now = self.clock()
         live.last_seen = now
         live.connected, live.disconnected_at = True, None
+        live.grace_until = 0.0  # proven alive on this leader: from now on silence is evidence again
         runtime.last_heartbeat = now
         runtime.known_epoch = req.known_epoch
         runtime.seq = req.seq

@@ -222,3 +222,22 @@ def test_malformed_registration_names_the_field(field: str, change: dict[str, ob
     with pytest.raises(errors.InvalidArgument) as err:
         validate_register(req)
     assert err.value.field == field
+
+
+def test_grace_ends_for_a_node_once_it_heartbeats_to_the_new_leader() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        old = make(store, clock, "c0")
+        await cluster(old, clock)
+        await old.stop()  # resigns: the standby campaigns at once
+        new = make(store, clock, "c1")
+        await new._standby_step()
+        assert new.is_leader
+        await step(new, clock, ("a", "b", "s"), n=3)  # everyone reconnects within the grace period
+        new.close_stream(new.streams["b"])  # then b dies, still inside the 5 s grace
+        await step(new, clock, ("a", "s"), n=20)
+        assert store.world.epoch == 2 and store.world.ranks == ("a", "s"), "b must not hide behind the grace"
+        await new.stop()
+
+    run(scenario)

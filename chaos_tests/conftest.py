@@ -1,0 +1,20 @@
+"""Fixtures of the chaos scenarios: real etcd clusters and real ftd processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftd.ftctl.etcd_server import EtcdCluster
+
+
+@pytest.fixture
+def etcd3(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A real three-member etcd cluster with fast raft timings."""
+    cluster = EtcdCluster(tmp_path / "etcd3", size=3, fast=True).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
