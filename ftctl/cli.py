@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable, rpc_code, rpc_details
 from ftd.v1 import cluster_pb2
 
-from . import drill, localcluster, render
+from . import demo, drill, localcluster, render
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
 ENV_DRILL_TOKEN = "FTD_DRILL_TOKEN"
@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "events":
             cmd.add_argument("--limit", type=int, default=50)
+
+    demo = sub.add_parser("demo", help="start a local cluster, kill a node for real, show the recovery")
+    demo.add_argument("--nodes", type=int, default=2)
+    demo.add_argument("--spares", type=int, default=1)
+    demo.add_argument("--keep", action="store_true", help="leave the cluster running (stop it with ftctl down)")
+    demo.add_argument("--json", action="store_true")
 
     d = sub.add_parser("drill", help="fault drills against the live cluster")
     d.add_argument("--kill-node", metavar="NODE", required=True, help="SIGKILL this node's agent and workers")
@@ -140,6 +146,12 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         print(f"coordinator: {cluster.coordinator_endpoints}")
         print(f"  export {ENV_COORDINATOR}={cluster.coordinator_endpoints}")
         return 0
+    if args.command == "demo":
+        say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+        report = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say)
+        if args.json:
+            _print_json(report)
+        return 0 if report["drill"]["passed"] else 1
     if args.command == "down":
         if args.workdir is None:
             raise UsageError("ftctl down needs --workdir DIR")
@@ -147,7 +159,10 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         print(f"stopped {len(stopped)} processes: {', '.join(stopped) or 'none were running'}")
         return 0
 
-    client = CoordinatorClient(_resolve_coordinator(args, env), timeout_s=args.timeout or 5.0)
+    try:
+        client = CoordinatorClient(_resolve_coordinator(args, env), timeout_s=args.timeout or 5.0)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     try:
         if args.command == "status":
             data = status_dict(client.status())

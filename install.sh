@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs ftd on a fresh Debian/Ubuntu machine: etcd-server from apt, ftd and its Python
+# dependencies in ./.venv.
+#   ./install.sh          what `ftctl demo` needs
+#   ./install.sh --dev    plus the test, lint and type-check tools
+set -euo pipefail
+cd "$(dirname "$0")"
+
+extras=""
+if [[ "${1:-}" == "--dev" ]]; then extras="[dev]"; fi
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get install -y -qq "$@" >/dev/null 2>&1 || {
+    $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq "$@" >/dev/null
+  }
+}
+
+# etcd v3 server (Debian's 3.4). ftd starts its own members on free loopback ports, so the
+# etcd.service the package enables on systemd hosts is not used by ftd.
+if ! command -v etcd >/dev/null 2>&1 && [[ ! -x /usr/bin/etcd ]]; then
+  echo "install.sh: installing etcd-server"
+  apt_install etcd-server
+fi
+
+if [[ ! -x .venv/bin/python ]]; then
+  python3 -m venv .venv 2>/dev/null || { apt_install python3-venv && python3 -m venv .venv; }
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".${extras}"
+echo "install.sh: ftd installed in $(pwd)/.venv ($(.venv/bin/python --version))"
