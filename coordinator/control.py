@@ -426,8 +426,11 @@ class Controller:
 
     async def _tick_loop(self) -> None:
         while not self._stopping.is_set():
+            started = time.perf_counter()
             try:
                 await self.tick()
+                if self.is_leader:
+                    self.metrics.tick_seconds.observe(time.perf_counter() - started)
             except Exception:  # the loop must survive any single bad tick
                 log.exception("reconciliation tick failed")
             with contextlib.suppress(asyncio.TimeoutError):

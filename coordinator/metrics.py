@@ -33,5 +33,8 @@ class CoordinatorMetrics:
                                    registry=r)
         self.commit_seconds = Histogram("ftd_coordinator_etcd_commit_duration_seconds",
                                         "Duration of guarded etcd commits", registry=r)
+        self.tick_seconds = Histogram("ftd_coordinator_tick_duration_seconds",
+                                      "Duration of one detection + reconciliation tick", registry=r,
+                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)
