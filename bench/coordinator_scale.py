@@ -56,7 +56,7 @@ async def _agents(endpoint: str, ids: list[str], spares: set[str], hz: float, st
             except grpc.RpcError:
                 errors += 1
                 await asyncio.sleep(0.5)
-        await asyncio.sleep(max(0.0, start_at - time.time()) + random.random() / hz)
+        await asyncio.sleep(random.random() / hz)  # spread the phases; heartbeat from registration on
         call = stub.Heartbeat()
 
         async def read() -> None:
@@ -125,14 +125,14 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
         m0, c0, t0 = scrape(info["metrics"]), cpu_seconds(coord.pid), time.monotonic()
         time.sleep(max(0.0, stop_at - time.time() - 0.5))
         m1, c1, t1 = scrape(info["metrics"]), cpu_seconds(coord.pid), time.monotonic()
+        events = _events(info["address"])  # before the simulated agents stop (then all would die)
         results = [queue.get(timeout=120) for _ in workers]
         for w in workers:
             w.join(timeout=30)
         died: dict[str, float] = {}
         for r in results:
             died.update(r["died"])
-        events = _events(info["address"])
-        dead_at = {e.node_id: e.at_unix_s for e in events if e.kind == "node_dead"}
+        dead_at = {e.node_id: e.at_unix_s for e in reversed(events) if e.kind == "node_dead"}
         latencies = [dead_at[v] - died[v] for v in victims if v in dead_at and v in died]
         missed = [v for v in victims if v not in dead_at]
         false_pos = [nid for nid in dead_at if nid not in victims]

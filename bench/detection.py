@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from chaos_tests.faults import CpuStress
 from ftd.coordinator.client import CoordinatorClient
 from ftd.ftctl.localcluster import spawn_agent, stop, up, wait_agent
 from ftd.testing import wait_for
@@ -35,6 +34,7 @@ def main() -> None:
     ap.add_argument("--stress-workers", type=int, default=2, help="busy-loop processes during the run (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    from chaos_tests.faults import CpuStress  # from the checkout, found through _common's sys.path entry
 
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-detect-"))
     cluster = up(work, nodes=2, spares=1)

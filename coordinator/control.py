@@ -31,7 +31,7 @@ from .metrics import CoordinatorMetrics
 from .model import Event, LeaderInfo, NodeRecord, Role, valid_node_id
 from .placement import plan
 from .settings import CoordinatorSettings
-from .store import CommitResult, Guard, Lease, StaleStateError, StateStore, StoreUnavailable
+from .store import CommitResult, Guard, Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
 from .view import ClusterView, Runtime
 
 log = logging.getLogger("ftd.coordinator")
@@ -237,6 +237,10 @@ class Controller:
                                     max(0, last_seq + 1 - self.settings.max_events))
         except StoreUnavailable as exc:
             raise errors.StateUnavailable(f"not committed, etcd unreachable: {exc}") from exc
+        except StoreRejected as exc:
+            self.metrics.etcd_errors.labels("commit_rejected").inc()
+            log.error("etcd rejected a %s commit, nothing changed: %s", kind, exc)
+            raise errors.StateRejected(f"not committed: {exc}") from exc
         except StaleStateError:
             self.metrics.etcd_errors.labels("commit_stale").inc()
             log.warning("commit refused by its guard; re-checking leadership and reloading state")
@@ -393,12 +397,13 @@ class Controller:
                     if node is not None and not node.fenced:
                         log.info("node %s is %s: %s", node_id, verdict.state.value, verdict.reason)
             view.verdicts = dict(judgement.verdicts)
-            step = plan(time.time(), view.world, view.nodes, view.verdicts, self.settings.domain_label)
+            step = plan(time.time(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
+                        self.settings.max_fences_per_epoch)
             if step is not None:
                 try:
                     await self._commit("epoch" if step.world else "fence", nodes=step.nodes, world=step.world,
                                        events=step.events)
-                except (errors.StateUnavailable, StaleStateError, errors.NotLeader):
+                except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
                     self._publish_gauges()
                     return
                 for node_id in step.dead:
@@ -407,8 +412,9 @@ class Controller:
                 if step.world is not None:
                     self.metrics.epoch_changes.inc()
                     set_identity(epoch=step.world.epoch)
-                    log.warning("epoch %d committed: world %s (%s)", step.world.epoch, list(step.world.ranks),
-                                step.reason)
+                    size = len(step.world.ranks)
+                    shown = list(step.world.ranks) if size <= 16 else f"of {size} ranks"
+                    log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
                     for stream in self.streams.values():
                         stream.queue.put_nowait(_PUSH)
             self._publish_gauges()

@@ -54,5 +54,11 @@ class StateUnavailable(CoordinatorError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class StateRejected(CoordinatorError):
+    """etcd refused the change itself (e.g. its database is full); nothing was written."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 def grpc_code(exc: BaseException) -> grpc.StatusCode:
     return exc.code if isinstance(exc, CoordinatorError) else grpc.StatusCode.INTERNAL

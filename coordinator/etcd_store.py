@@ -24,6 +24,7 @@ import pyetcd
 import pyetcd.exceptions
 from pyetcd import transactions as tx
 
+from .client import rpc_code, rpc_details
 from .model import (
     CorruptRecord,
     Event,
@@ -36,7 +37,16 @@ from .model import (
     decode_world,
     encode,
 )
-from .store import CommitResult, Guard, Lease, Snapshot, StaleStateError, StoreUnavailable, new_leader_info
+from .store import (
+    CommitResult,
+    Guard,
+    Lease,
+    Snapshot,
+    StaleStateError,
+    StoreRejected,
+    StoreUnavailable,
+    new_leader_info,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,6 +59,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
 ]
+
+
+_CONNECTIVITY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                 grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
@@ -103,7 +117,13 @@ class EtcdStore:
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         try:
             return fn()
-        except (pyetcd.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
+        except grpc.RpcError as exc:
+            # pyetcd turns connectivity codes into its own exceptions; what is left is a refusal.
+            code = rpc_code(exc)
+            if code is None or code in _CONNECTIVITY:
+                raise StoreUnavailable(f"{op} on etcd {self.endpoints}", exc) from exc
+            raise StoreRejected(f"{op} on etcd {self.endpoints}", f"{code.name}: {rpc_details(exc)}") from exc
+        except (pyetcd.exceptions.Etcd3Exception, ValueError) as exc:
             # ValueError: pyetcd's "Trying to use a failed node" when every endpoint just failed.
             raise StoreUnavailable(f"{op} on etcd {self.endpoints}", exc) from exc
 

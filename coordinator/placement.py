@@ -55,6 +55,11 @@ class Plan:
     dead: tuple[str, ...] = field(default=())
 
 
+def _names(ids: Sequence[str], shown: int = 8) -> str:
+    head = ", ".join(ids[:shown])
+    return head if len(ids) <= shown else f"{head} and {len(ids) - shown} more"
+
+
 def _alive(verdicts: Mapping[str, Verdict], node_id: str) -> bool:
     verdict = verdicts.get(node_id)
     return verdict is not None and verdict.state is State.ALIVE
@@ -66,6 +71,7 @@ def plan(
     nodes: Mapping[str, NodeRecord],
     verdicts: Mapping[str, Verdict],
     domain_label: str = "rack",
+    max_fences: int = 40,
 ) -> Plan | None:
     """The next membership step, or ``None`` when the world is as it should be.
 
@@ -73,10 +79,14 @@ def plan(
     2. Each dead rank goes to a spare (:func:`choose_spare`); with none left the world shrinks.
     3. Alive nodes that registered as active and hold no rank join (the target size grows).
     4. While the world is below its target, alive spares fill it.
+
+    At most ``max_fences`` dead nodes are handled per epoch so that one commit stays within the
+    store's transaction size (etcd's ``--max-txn-ops``); the rest follow in the next epochs, a tick
+    apart. Joins are summarised in one event.
     """
     dead = sorted(
         n for n, v in verdicts.items() if v.state is State.DEAD and n in nodes and not nodes[n].fenced
-    )
+    )[:max_fences]
     next_epoch = world.epoch + 1
     updates: dict[str, NodeRecord] = {}
     events: list[tuple[str, str, str]] = []
@@ -119,11 +129,14 @@ def plan(
     for node in joiners:
         new_ranks.append(node.node_id)
         target += 1
-        events.append(("node_joined", node.node_id, f"{node.node_id} joins as rank {len(new_ranks) - 1}"))
     if joiners:
-        reasons.append(f"{len(joiners)} active node(s) joined: {', '.join(n.node_id for n in joiners)}")
+        names = _names([n.node_id for n in joiners])
+        first = len(new_ranks) - len(joiners)
+        events.append(("nodes_joined", joiners[0].node_id if len(joiners) == 1 else "",
+                       f"{names} joined as ranks {first}..{len(new_ranks) - 1}"))
+        reasons.append(f"{len(joiners)} active node(s) joined: {names}")
 
-    while len(new_ranks) < target and pool:
+    while len(new_ranks) < target and pool and len(events) < 2 * max_fences:
         spare = sorted(pool, key=lambda n: (n.registered_unix_s, n.node_id))[0]
         pool.remove(spare)
         new_ranks.append(spare.node_id)

@@ -41,6 +41,8 @@ class CoordinatorSettings:
     tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
     domain_label: str = setting("rack", "node label naming the failure domain; spares in the same domain are preferred")
     max_events: int = setting(1000, "event log entries kept in etcd", "events")
+    etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops; bounds how many nodes one epoch change fences",
+                                    "operations")
     metrics_listen: str = setting("127.0.0.1:9401", "Prometheus /metrics address HOST:PORT (empty: disabled)")
     ready_file: Path | None = setting(None, "write {pid, address, metrics} JSON here once serving")
     log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
@@ -71,8 +73,14 @@ class CoordinatorSettings:
         require(0 < self.tick_s <= self.suspect_after_s / 2, "tick_s",
                 f"must be in (0, suspect_after_s/2], got {self.tick_s}")
         require(self.max_events >= 10, "max_events", f"must be >= 10 (got {self.max_events})")
+        require(self.etcd_max_txn_ops >= 32, "etcd_max_txn_ops", f"must be >= 32 (got {self.etcd_max_txn_ops})")
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")
+
+    @property
+    def max_fences_per_epoch(self) -> int:
+        """Each fenced node costs a node put and up to two events; keep headroom for the rest."""
+        return (self.etcd_max_txn_ops - 8) // 3
 
     @property
     def detector(self) -> DetectorSettings:

@@ -14,7 +14,12 @@ are spelled out here once:
   ``keep_alive`` refreshes it and answers ``False`` once the lease is gone (leadership lost).
 
 Errors are translated once, at this boundary: :class:`StoreUnavailable` (could not reach the store;
-nothing is known to be written) and :class:`StaleStateError` (a guard failed; nothing written).
+nothing is known to be written), :class:`StaleStateError` (a guard failed; nothing written) and
+:class:`StoreRejected` (the store refused the request itself, e.g. a transaction over etcd's
+``--max-txn-ops`` or a full database; resending it unchanged will not help).
+
+A commit costs ``len(nodes) + len(events) + 3`` operations (+1 with a world); callers keep it under
+``MAX_TXN_OPS`` (etcd's default ``--max-txn-ops``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,22 @@ class StoreUnavailable(StoreError):
     def __init__(self, op: str, cause: BaseException | str) -> None:
         super().__init__(f"state store unavailable during {op}: {cause}")
         self.op = op
+
+
+class StoreRejected(StoreError):
+    """The store refused the request (not a connectivity problem); ``op`` names it."""
+
+    def __init__(self, op: str, cause: BaseException | str) -> None:
+        super().__init__(f"state store rejected {op}: {cause}")
+        self.op = op
+
+
+MAX_TXN_OPS = 128
+
+
+def commit_ops(nodes: int, events: int, world: bool) -> int:
+    """Operations one commit takes: puts, the event prune, the world read-back, the world put."""
+    return nodes + events + 2 + (1 if world else 0)
 
 
 class StaleStateError(StoreError):
@@ -115,6 +136,7 @@ class MemoryStore:
     off makes every call raise :class:`StoreUnavailable`, like an unreachable etcd."""
 
     clock: Callable[[], float] = time.monotonic
+    max_txn_ops: int = MAX_TXN_OPS
     _available: bool = True
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     world: World = field(default_factory=World)
@@ -161,6 +183,9 @@ class MemoryStore:
     ) -> CommitResult:
         with self._lock:
             self._check("commit")
+            ops = commit_ops(len(nodes), len(events), world is not None)
+            if ops > self.max_txn_ops:
+                raise StoreRejected("commit", f"too many operations in txn request ({ops} > {self.max_txn_ops})")
             if self._leader is None or self._leader.lease.leader != guard.leader:
                 raise StaleStateError(f"{guard.leader.replica_id} is not the leader")
             if world is not None and guard.world_revision != self.world_revision:

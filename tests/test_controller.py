@@ -241,3 +241,26 @@ def test_grace_ends_for_a_node_once_it_heartbeats_to_the_new_leader() -> None:
         await new.stop()
 
     run(scenario)
+
+
+def test_mass_failure_commits_in_several_epochs_within_etcd_txn_limits() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await ctl._standby_step()
+        ids = [f"n{i:03d}" for i in range(150)]
+        for i in ids:
+            await ctl.register(reg(i))
+        await step(ctl, clock, tuple(ids), n=60)
+        assert len(store.world.ranks) == 150
+        first = store.world.epoch
+        for i in ids[:120]:  # a whole row of racks loses power
+            ctl.close_stream(ctl.streams[i])
+        await step(ctl, clock, tuple(ids[120:]), n=25)
+        assert store.world.ranks == tuple(ids[120:])
+        assert all(store.nodes[i].fence is not None for i in ids[:120])
+        assert store.world.epoch - first == 3, "120 fences at 40 per transaction: three epochs"
+        await ctl.stop()
+
+    run(scenario)

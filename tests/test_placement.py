@@ -93,3 +93,14 @@ def test_two_deaths_one_spare() -> None:
     p = plan(1.0, world, nodes, {"a": DEAD, "b": ALIVE, "c": DEAD, "s": ALIVE})
     assert p is not None and p.world is not None
     assert p.world.ranks == ("s", "b") and p.world.epoch == 2 and p.world.degraded
+
+
+def test_a_mass_failure_is_split_into_epochs_that_fit_one_transaction() -> None:
+    ids = [f"n{i:03d}" for i in range(100)]
+    world = World(epoch=1, ranks=tuple(ids), target_size=100)
+    nodes = {i: n(i) for i in ids}
+    verdicts = {i: DEAD for i in ids[:90]} | {i: ALIVE for i in ids[90:]}
+    p = plan(1.0, world, nodes, verdicts, max_fences=40)
+    assert p is not None and p.world is not None
+    assert len(p.nodes) == 40 and len(p.world.ranks) == 60 and p.world.epoch == 2
+    assert len(p.events) <= 2 * 40 + 1

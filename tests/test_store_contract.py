@@ -132,3 +132,19 @@ def test_rewriting_a_node_replaces_it(store: StateStore) -> None:
     back = replace(n, requested_role=Role.SPARE, incarnation="i2")
     store.commit(Guard(lease.leader), nodes=[back])
     assert store.load().nodes["n1"] == back
+
+
+def test_a_commit_over_the_transaction_limit_is_rejected_and_writes_nothing(store: StateStore) -> None:
+    from ftd.coordinator.store import MAX_TXN_OPS, StoreRejected, commit_ops
+
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    assert lease is not None
+    too_many = [node(f"n{i}") for i in range(MAX_TXN_OPS)]
+    assert commit_ops(len(too_many), 0, False) > MAX_TXN_OPS
+    with pytest.raises(StoreRejected, match="too many operations"):
+        store.commit(Guard(lease.leader), nodes=too_many)
+    assert store.load().nodes == {}
+    fits = too_many[: MAX_TXN_OPS - commit_ops(0, 1, True)]
+    store.commit(Guard(lease.leader, 0), nodes=fits, world=World(epoch=1), events=[
+        Event(seq=1, at_unix_s=1.0, kind="k", message="m")])
+    assert len(store.load().nodes) == len(fits)
