@@ -49,6 +49,7 @@ class Stream:
     incarnation: str
     queue: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
     sent_epoch: int = -1
+    last_write: float = -1e9  # monotonic time of the last answer written
     close_error: errors.CoordinatorError | None = None
 
     def close(self, error: errors.CoordinatorError | None = None) -> None:
@@ -87,6 +88,7 @@ class Controller:
         self._lease_pool = ThreadPoolExecutor(1, thread_name_prefix="ftd-lease")
         self._outage_logged = False
         self._reload = False
+        self._gauges_at = -1e9
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -357,8 +359,17 @@ class Controller:
             runtime.progress = req.progress
         self.metrics.heartbeats.inc()
 
+    def ack_due(self, stream: Stream) -> bool:
+        """Answer a heartbeat only every ``heartbeat_ack_interval_s`` (or on news): each answer costs
+        the leader as much as the heartbeat itself, and epoch changes are pushed anyway."""
+        view = self.view
+        if view is None or stream.sent_epoch != view.world.epoch:
+            return True
+        return self.clock() - stream.last_write >= self.settings.heartbeat_ack_interval_s
+
     def heartbeat_response(self, stream: Stream) -> coordinator_pb2.HeartbeatResponse:
         view = self.require_leader()
+        stream.last_write = self.clock()
         with_world = stream.sent_epoch != view.world.epoch
         stream.sent_epoch = view.world.epoch
         leader = self.lease.leader.replica_id if self.lease else ""
@@ -409,6 +420,7 @@ class Controller:
                 for node_id in step.dead:
                     self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
                     log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
+                self._gauges_at = -1e9  # publish the change now
                 if step.world is not None:
                     self.metrics.epoch_changes.inc()
                     set_identity(epoch=step.world.epoch)
@@ -417,12 +429,14 @@ class Controller:
                     log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
                     for stream in self.streams.values():
                         stream.queue.put_nowait(_PUSH)
-            self._publish_gauges()
+            if now - self._gauges_at >= 1.0:
+                self._publish_gauges()
 
     def _publish_gauges(self) -> None:
         view = self.view
         if view is None:
             return
+        self._gauges_at = self.clock()
         for state, count in view.counts().items():
             self.metrics.nodes.labels(state).set(count)
         self.metrics.epoch.set(view.world.epoch)

@@ -115,7 +115,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 except errors.CoordinatorError as exc:
                     stream.close(exc)
                     return
-                stream.queue.put_nowait("ack")
+                if self.ctl.ack_due(stream):
+                    stream.queue.put_nowait("ack")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client went away mid-read

@@ -39,6 +39,8 @@ class CoordinatorSettings:
     failover_grace_s: float = setting(
         5.0, "after becoming leader, no node is judged dead before this much time has passed", "s")
     tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
+    heartbeat_ack_interval_s: float = setting(
+        1.0, "answer an agent's heartbeats at most this often (epoch changes are pushed at once)", "s")
     domain_label: str = setting("rack", "node label naming the failure domain; spares in the same domain are preferred")
     max_events: int = setting(1000, "event log entries kept in etcd", "events")
     etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops; bounds how many nodes one epoch change fences",
@@ -72,6 +74,8 @@ class CoordinatorSettings:
         require(self.failover_grace_s >= 0, "failover_grace_s", f"must be >= 0 (got {self.failover_grace_s})")
         require(0 < self.tick_s <= self.suspect_after_s / 2, "tick_s",
                 f"must be in (0, suspect_after_s/2], got {self.tick_s}")
+        require(0 < self.heartbeat_ack_interval_s <= self.dead_after_s, "heartbeat_ack_interval_s",
+                f"must be in (0, dead_after_s], got {self.heartbeat_ack_interval_s}")
         require(self.max_events >= 10, "max_events", f"must be >= 10 (got {self.max_events})")
         require(self.etcd_max_txn_ops >= 32, "etcd_max_txn_ops", f"must be >= 32 (got {self.etcd_max_txn_ops})")
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
