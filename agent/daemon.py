@@ -13,6 +13,7 @@ from concurrent import futures
 import grpc
 from prometheus_client import start_http_server
 
+from ftd import systemd
 from ftd.coordinator.client import CoordinatorClient
 from ftd.logs import set_identity
 from ftd.v1 import agent_pb2, cluster_pb2
@@ -118,16 +119,21 @@ class AgentDaemon:
             tmp.write_text(json.dumps({"pid": os.getpid(), "node_id": self.node_id, "address": self.address,
                                        "socket": str(sock), "metrics": self.metrics_address}))
             os.replace(tmp, s.ready_file)
+        systemd.notify(f"READY=1\nSTATUS=node {self.node_id} serving on {self.address}")
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def wait(self) -> None:
-        while not self._stop.wait(1.0):
+        watchdog = systemd.Watchdog()
+        period = min(1.0, watchdog.period or 1.0)
+        while not self._stop.wait(period):
             self.supervisor.reap()
+            watchdog.tick()
 
     def stop(self) -> None:
         log.info("stopping agent %s", self.node_id)
+        systemd.notify("STOPPING=1")
         self._stop.set()
         self.session.stop()
         self.server.stop(grace=1.0).wait(2.0)

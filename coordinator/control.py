@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ftd import systemd
 from ftd.logs import set_identity
 from ftd.v1 import coordinator_pb2
 
@@ -445,7 +446,9 @@ class Controller:
         self.metrics.spares.set(len(view.spares()))
 
     async def _tick_loop(self) -> None:
+        watchdog = systemd.Watchdog()  # pinged from this loop: a wedged event loop gets restarted
         while not self._stopping.is_set():
+            watchdog.tick()
             started = time.perf_counter()
             try:
                 await self.tick()

@@ -14,7 +14,7 @@ from pathlib import Path
 from grpc import aio
 from prometheus_client import start_http_server
 
-from ftd import logs
+from ftd import logs, systemd
 from ftd.settings import load_or_exit
 
 from .control import Controller
@@ -61,6 +61,7 @@ async def serve(settings: CoordinatorSettings) -> int:
     if settings.ready_file:
         write_ready_file(settings.ready_file, {"pid": os.getpid(), "address": address,
                                                "metrics": metrics_address, "replica_id": controller.replica_id})
+    systemd.notify(f"READY=1\nSTATUS=serving on {address}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -68,6 +69,7 @@ async def serve(settings: CoordinatorSettings) -> int:
     runner = asyncio.create_task(controller.run())
     await stop.wait()
     log.info("stopping: handing leadership over")
+    systemd.notify("STOPPING=1")
     await controller.stop()
     runner.cancel()
     await server.stop(grace=1.0)
