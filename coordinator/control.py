@@ -304,6 +304,7 @@ class Controller:
             if old is not None and old.incarnation != req.incarnation:
                 old.close(errors.StaleIncarnation(f"node {req.node_id} re-registered as a new incarnation"))
             log.info("node %s registered from %s (%s)", req.node_id, req.host, message)
+            self._gauges_at = -1e9
             self._wake.set()
             return coordinator_pb2.RegisterResponse(assignment=view.assignment(req.node_id, True), message=message)
 
