@@ -169,8 +169,11 @@ def test_metrics_endpoints(local_cluster: ClusterFile) -> None:
             return str(resp.read().decode())
 
     # Gauges are refreshed once a second and on every change.
-    coordinator = wait_for(lambda: (t := scrape(local_cluster.coordinators[0].info["metrics"]))
-                           if 'ftd_coordinator_nodes{state="alive"} 3.0' in t else None, 5, "gauges published")
+    def published() -> str | None:
+        text = scrape(local_cluster.coordinators[0].info["metrics"])
+        return text if 'ftd_coordinator_nodes{state="alive"} 3.0' in text else None
+
+    coordinator = wait_for(published, 5, "gauges published")
     for name in ("ftd_coordinator_nodes{state=\"alive\"} 3.0", "ftd_coordinator_heartbeats_received_total",
                  "ftd_coordinator_detection_latency_seconds_bucket", "ftd_coordinator_epoch 2.0",
                  "ftd_coordinator_is_leader 1.0", "ftd_coordinator_etcd_errors_total",
