@@ -1,0 +1,184 @@
+"""The storage tier interface, written once; :mod:`.local` and :mod:`.s3` implement it and pass the
+same contract suite (``tests/test_storage_contract.py``).
+
+Keys are relative, ``/``-separated paths (``job/step-000000000100/rank-00003/state.pt``). A key that
+could escape the tier's root — empty, absolute, ``..`` or ``.`` segments, empty segments, a
+backslash, a NUL — is refused with :class:`InvalidKey` before any I/O.
+
+**Atomic publish** is a strategy of the backend (after orbax's ``atomicity.py``): a writer stages a
+folder with :meth:`StorageBackend.stage`, writes objects into the :class:`Staging`, and calls
+:meth:`Staging.publish` with a *marker* (the folder's manifest) that is written **last**.
+
+* POSIX directory: objects go to a hidden temp dir next to the target; publish writes the marker,
+  fsyncs every file and the dir, renames the temp dir to the final name and fsyncs the parent.
+* Object store: objects go straight under the final prefix; the marker object written last is the
+  commit point (create-only where the store supports it).
+
+Readers trust a folder only when :meth:`StorageBackend.is_published` says so (the marker exists).
+:meth:`StorageBackend.cleanup` removes what interrupted writers left behind: temp dirs, unmarked
+prefixes, abandoned multipart uploads — never a published folder.
+
+Checksums are CRC32C (hardware-accelerated, 11 GB/s here, and S3's native checksum algorithm), as
+8-digit lowercase hex. ``ObjectInfo.crc32c`` is filled when the backend knows it (it computed it
+while writing, or stored it as object metadata), else ``None``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+import google_crc32c
+
+Progress = Callable[[int], None]  # called with the byte count of each chunk moved; may raise to abort
+
+_BAD_SEGMENT = re.compile(r"^(\.|\.\.)$")
+
+
+class StorageError(Exception):
+    """Base of the storage errors; ``backend`` and ``key`` name the thing."""
+
+    def __init__(self, backend: str, key: str, message: str) -> None:
+        super().__init__(f"{backend}: {key or '(root)'}: {message}")
+        self.backend = backend
+        self.key = key
+
+
+class InvalidKey(StorageError, ValueError):
+    """The key could escape the tier's root or is malformed."""
+
+
+class ObjectNotFound(StorageError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)
+
+
+class StorageFull(StorageError):
+    """No space left (ENOSPC/EDQUOT, or the object store's quota)."""
+
+
+class StorageUnavailable(StorageError):
+    """The tier could not be reached (after bounded retries of idempotent calls)."""
+
+
+class ChecksumMismatch(StorageError):
+    """Bytes read back do not match the recorded CRC32C."""
+
+
+class AlreadyPublished(StorageError):
+    """A folder is never reused: publishing onto an existing published folder is refused."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch
+    crc32c: str | None = None  # 8 lowercase hex digits
+
+
+def validate_key(backend: str, key: str, *, allow_empty: bool = False) -> str:
+    """Returns ``key`` if it is a safe relative key, else raises :class:`InvalidKey`."""
+    if key == "" and allow_empty:
+        return key
+    why = None
+    if not key:
+        why = "empty key"
+    elif key.startswith("/"):
+        why = "absolute keys are not allowed"
+    elif "\\" in key or "\0" in key:
+        why = "backslash or NUL in key"
+    elif any(seg == "" or _BAD_SEGMENT.match(seg) for seg in key.rstrip("/").split("/")):
+        why = "empty, '.' or '..' path segment"
+    elif len(key) > 1024:
+        why = "key longer than 1024 characters"
+    if why is not None:
+        raise InvalidKey(backend, key[:200], why)
+    return key
+
+
+class Crc32c:
+    """Streaming CRC32C."""
+
+    def __init__(self) -> None:
+        self._c = google_crc32c.Checksum()
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._c.update(bytes(data) if isinstance(data, memoryview) else data)
+
+    def hexdigest(self) -> str:
+        return str(self._c.digest().hex())
+
+
+def crc32c_hex(data: bytes) -> str:
+    c = Crc32c()
+    c.update(data)
+    return c.hexdigest()
+
+
+def crc32c_file(path: Path, chunk: int = 8 << 20, progress: Progress | None = None) -> str:
+    c = Crc32c()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            c.update(block)
+            if progress is not None:
+                progress(len(block))
+    return c.hexdigest()
+
+
+class Staging(Protocol):
+    """A folder being written; invisible to readers until :meth:`publish`."""
+
+    prefix: str
+
+    def put_stream(self, name: str, src: BinaryIO, progress: Progress | None = None) -> ObjectInfo: ...
+
+    def put_file(self, name: str, path: Path, progress: Progress | None = None) -> ObjectInfo: ...
+
+    def publish(self, marker_name: str, marker: bytes) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class StorageBackend(Protocol):
+    name: str  # e.g. "local:/mnt/ssd/ftd", "s3://bucket/prefix"
+
+    def put_stream(self, key: str, src: BinaryIO, progress: Progress | None = None) -> ObjectInfo:
+        """Writes one object from a stream; the object appears whole or not at all."""
+        ...
+
+    def put_file(self, key: str, path: Path, progress: Progress | None = None) -> ObjectInfo: ...
+
+    def open_read(self, key: str) -> AbstractContextManager[BinaryIO]:
+        """Streams one object; :class:`ObjectNotFound` if absent."""
+        ...
+
+    def get_file(self, key: str, path: Path, progress: Progress | None = None) -> ObjectInfo:
+        """Downloads to ``path`` atomically (temp + rename); verifies the CRC32C when known."""
+        ...
+
+    def stat(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (recursive), sorted by key; staging leftovers excluded."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Idempotent: deleting a missing object is not an error."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Deletes a folder (marker first, so a half-deleted folder is never seen as published)."""
+        ...
+
+    def stage(self, prefix: str) -> Staging: ...
+
+    def is_published(self, prefix: str, marker_name: str) -> bool: ...
+
+    def cleanup(self, prefix: str = "", older_than_s: float = 0.0) -> list[str]:
+        """Removes unpublished leftovers older than ``older_than_s``; returns what was removed."""
+        ...
