@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 extras=""
-if [[ "${1:-}" == "--dev" ]]; then extras="[dev]"; fi
+if [[ "${1:-}" == "--dev" ]]; then extras="dev"; fi
 sudo=""
 if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
 
@@ -29,5 +29,10 @@ if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv 2>/dev/null || { apt_install python3-venv && python3 -m venv .venv; }
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".${extras}"
+# The training side needs torch; 2.13.0 is the CPU build this kind of machine has on disk (a bare
+# `torch` would download a multi-GB CUDA build). An existing torch is kept.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[torch${extras:+,dev}]"
 echo "install.sh: ftd installed in $(pwd)/.venv ($(.venv/bin/python --version))"

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from concurrent import futures
+from typing import Any
 
 import grpc
 from prometheus_client import start_http_server
@@ -23,6 +24,7 @@ from .heartbeat import Identity, Session
 from .metrics import AgentMetrics
 from .settings import AgentSettings
 from .supervisor import Supervisor
+from .tiering import Tier, Tiering
 
 log = logging.getLogger("ftd.agent")
 
@@ -43,6 +45,49 @@ class AgentDaemon:
         self.metrics_address = ""
         self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s)
         self.session: Session  # created in start(), once the agent's own address is known
+        self.tiering = Tiering(self._tiers(), self._catalog_call, settings.keep_per_tier,
+                               settings.tier_bandwidth_mb_s * 1e6, settings.tiering_interval_s)
+        self._tier_stats_seen: dict[str, dict[str, int]] = {}
+
+    def _tiers(self) -> list[Tier]:
+        from ftd.storage_backends.local import LocalBackend
+
+        s = self.settings
+        tiers = [Tier("ssd", LocalBackend(s.tiers["ssd"]), self.node_id),
+                 Tier("hdd", LocalBackend(s.tiers["hdd"]), "shared" if s.hdd_shared else self.node_id)]
+        if s.s3_endpoint:
+            from ftd.storage_backends.s3 import S3Backend
+
+            tiers.append(Tier("s3", S3Backend(s.s3_bucket, s.s3_prefix, endpoint_url=s.s3_endpoint,
+                                              region=s.s3_region, state_dir=s.workdir / "s3-uploads"), "s3"))
+        return tiers
+
+    def _catalog_call(self, method: str, request: Any) -> Any:
+        return self.client.call(method, request, idempotent=True)
+
+    def tiers_info(self) -> agent_pb2.Tiers:
+        s = self.settings
+        return agent_pb2.Tiers(node_id=self.node_id, ssd_dir=str(s.tiers["ssd"]), hdd_dir=str(s.tiers["hdd"]),
+                               hdd_shared=s.hdd_shared, s3_endpoint=s.s3_endpoint, s3_bucket=s.s3_bucket,
+                               s3_prefix=s.s3_prefix)
+
+    def _publish_tier_metrics(self) -> None:
+        st = self.tiering.stats
+        for name, counter, values in (("bytes", self.metrics.tier_migrated_bytes, st.migrated_bytes),
+                                      ("migrations", self.metrics.tier_migrations, st.migrations),
+                                      ("errors", self.metrics.tier_errors, st.errors),
+                                      ("deleted", self.metrics.tier_deleted, st.deleted)):
+            seen = self._tier_stats_seen.setdefault(name, {})
+            for tier, value in values.items():
+                if value > seen.get(tier, 0):
+                    counter.labels(tier).inc(value - seen.get(tier, 0))
+                    seen[tier] = value
+        for tier, lag in st.lag_steps.items():
+            self.metrics.tier_lag_steps.labels(tier).set(lag)
+        for tier, pending in st.pending.items():
+            self.metrics.tier_pending.labels(tier).set(pending)
+        for job, step in st.last_valid_step.items():
+            self.metrics.last_valid_step.labels(job).set(step)
 
     # ---- state shared with the service ------------------------------------------------------
 
@@ -68,11 +113,16 @@ class AgentDaemon:
 
     def info(self) -> agent_pb2.AgentInfo:
         s = self.session
-        return agent_pb2.AgentInfo(
+        info = agent_pb2.AgentInfo(
             node_id=self.node_id, host=self.settings.effective_host, pid=os.getpid(), assignment=s.assignment,
             connected=s.connected, coordinator_address=s.leader_address, supervised_pids=self.supervisor.pids(),
             progress=self.progress(),
         )
+        move = self.tiering.current
+        if move is not None:
+            info.migrations.append(agent_pb2.Migration(job=move.job, step=move.step, rank=move.rank, tier=move.tier,
+                                                       done_bytes=move.done, total_bytes=move.total))
+        return info
 
     def _on_assignment(self, assignment: cluster_pb2.Assignment) -> None:
         self.metrics.epoch.set(assignment.epoch)
@@ -112,6 +162,7 @@ class AgentDaemon:
         )
         set_identity(node=self.node_id)
         threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()
+        threading.Thread(target=self.tiering.run, args=(self._stop,), name="ftd-tiering", daemon=True).start()
         log.info("agent %s serving on %s and unix:%s (metrics %s); coordinators %s", self.node_id, self.address,
                  sock, self.metrics_address or "off", s.coordinators)
         if s.ready_file:
@@ -129,6 +180,7 @@ class AgentDaemon:
         period = min(1.0, watchdog.period or 1.0)
         while not self._stop.wait(period):
             self.supervisor.reap()
+            self._publish_tier_metrics()
             watchdog.tick()
 
     def stop(self) -> None:

@@ -18,5 +18,23 @@ class AgentMetrics:
         self.disk_free = Gauge("ftd_agent_disk_free_bytes", "Free bytes on a tier directory", ["tier"], registry=r)
         self.gpu_utilization = Gauge("ftd_agent_gpu_utilization_ratio", "GPU utilisation (0..1) from NVML",
                                      ["gpu"], registry=r)
+        self.tier_migrated_bytes = Counter("ftd_agent_tier_migrated_bytes_total",
+                                           "Checkpoint bytes copied to a slower tier", ["tier"], registry=r)
+        self.tier_migrations = Counter("ftd_agent_tier_migrations_total", "Shards copied to a slower tier",
+                                       ["tier"], registry=r)
+        self.tier_errors = Counter("ftd_agent_tier_errors_total", "Failed copies (tier unreachable, full, corrupt)",
+                                   ["tier"], registry=r)
+        self.tier_deleted = Counter("ftd_agent_tier_retention_deleted_total", "Shards deleted by retention",
+                                    ["tier"], registry=r)
+        self.tier_lag_steps = Gauge("ftd_agent_tier_lag_steps",
+                                    "Steps between the newest shard on the SSD and the newest on this tier", ["tier"],
+                                    registry=r)
+        self.tier_pending = Gauge("ftd_agent_tier_pending_shards", "Committed shards not yet copied to this tier",
+                                  ["tier"], registry=r)
+        self.last_valid_step = Gauge("ftd_agent_checkpoint_last_valid_step", "Newest valid checkpoint step",
+                                     ["job"], registry=r)
+        self.save_failures = Counter("ftd_agent_checkpoint_save_failures_total",
+                                     "Checkpoint saves that failed on this node (e.g. disk full)", ["reason"],
+                                     registry=r)
         self.training_step = Gauge("ftd_agent_training_step", "Latest training step reported by the workers",
                                    registry=r)

@@ -7,11 +7,13 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ftd.v1 import agent_pb2, agent_pb2_grpc
+from ftd.coordinator.client import rpc_code, rpc_details
+from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
 
 if TYPE_CHECKING:
     from .daemon import AgentDaemon
@@ -35,6 +37,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     def ReportProgress(self, request: agent_pb2.ReportProgressRequest,
                        context: grpc.ServicerContext) -> agent_pb2.ReportProgressResponse:
+        if request.checkpoint_error:
+            kind = request.checkpoint_error_kind or "error"
+            self.daemon.metrics.save_failures.labels(kind[:40]).inc()
+            log.error("checkpoint save failed on rank %d (%s): %s", request.rank, kind, request.checkpoint_error[:500])
+            if not request.HasField("progress"):
+                return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment)
         if not request.HasField("progress"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "progress: is required")
         if request.progress.step < 0:
@@ -56,6 +64,50 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         # Let the answer leave before the process disappears; SIGKILL cannot be caught or delayed.
         threading.Timer(0.05, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
         return agent_pb2.KillResponse(pid=os.getpid(), killed_pids=killed)
+
+
+    # ---- checkpoints: forwarded to the coordinator ------------------------------------------------
+
+    def _forward(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return self.daemon.client.call(method, request, idempotent=True)
+        except grpc.RpcError as exc:
+            code = rpc_code(exc) or grpc.StatusCode.UNKNOWN
+            context.abort(code, rpc_details(exc))
+        except ConnectionError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        raise AssertionError("unreachable")
+
+    def CommitShard(self, request: checkpoint_pb2.CommitShardRequest,
+                    context: grpc.ServicerContext) -> checkpoint_pb2.CommitShardResponse:
+        if not request.tier:
+            request.tier = "ssd"
+        if not request.location:
+            request.location = self.daemon.node_id if request.tier != "s3" else "s3"
+        response = self._forward("CommitShard", request, context)
+        self.daemon.tiering.notify()
+        return response  # type: ignore[no-any-return]
+
+    def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,
+                   context: grpc.ServicerContext) -> checkpoint_pb2.RecordCopyResponse:
+        return self._forward("RecordCopy", request, context)  # type: ignore[no-any-return]
+
+    def InvalidateCheckpoint(self, request: checkpoint_pb2.InvalidateCheckpointRequest,
+                             context: grpc.ServicerContext) -> checkpoint_pb2.CheckpointInfo:
+        return self._forward("InvalidateCheckpoint", request, context)  # type: ignore[no-any-return]
+
+    def GetRestoreTarget(self, request: checkpoint_pb2.GetRestoreTargetRequest,
+                         context: grpc.ServicerContext) -> checkpoint_pb2.RestoreTarget:
+        return self._forward("GetRestoreTarget", request, context)  # type: ignore[no-any-return]
+
+    def VerifyCopy(self, request: agent_pb2.VerifyCopyRequest,
+                   context: grpc.ServicerContext) -> agent_pb2.VerifyCopyResponse:
+        started = time.perf_counter()
+        ok, error, size = self.daemon.tiering.verify(request.job, request.step, request.rank, request.tier)
+        return agent_pb2.VerifyCopyResponse(ok=ok, error=error, bytes=size, seconds=time.perf_counter() - started)
+
+    def GetTiers(self, request: agent_pb2.GetTiersRequest, context: grpc.ServicerContext) -> agent_pb2.Tiers:
+        return self.daemon.tiers_info()
 
 
 def add_to_server(server: Any, daemon: AgentDaemon) -> None:

@@ -31,6 +31,14 @@ class AgentSettings:
     socket_path: Path | None = setting(None, "Unix socket for the training process (default: WORKDIR/agent.sock)")
     ssd_dir: Path | None = setting(None, "hot checkpoint tier directory (default: WORKDIR/ssd)")
     hdd_dir: Path | None = setting(None, "warm checkpoint tier directory (default: WORKDIR/hdd)")
+    hdd_shared: bool = setting(False, "the HDD tier directory is a filesystem shared by all nodes (NFS, Lustre...)")
+    s3_endpoint: str = setting("", "S3-compatible endpoint URL of the cold tier (empty: no cold tier)")
+    s3_bucket: str = setting("ftd-checkpoints", "bucket of the cold tier")
+    s3_prefix: str = setting("", "key prefix inside the bucket")
+    s3_region: str = setting("us-east-1", "region of the cold tier")
+    keep_per_tier: int = setting(3, "valid checkpoints kept on each tier", "checkpoints")
+    tier_bandwidth_mb_s: float = setting(200.0, "bandwidth cap of background migrations (0: none)", "MB/s")
+    tiering_interval_s: float = setting(2.0, "period of the tiering pass (migrations, retention)", "s")
     heartbeat_interval_s: float = setting(0.5, "period of heartbeats to the coordinator", "s")
     coordinator_timeout_s: float = setting(3.0, "no answer from the leader for this long: reconnect", "s")
     reconnect_max_backoff_s: float = setting(1.0, "upper bound of the reconnect backoff", "s")
@@ -56,6 +64,12 @@ class AgentSettings:
                 f"must be > heartbeat_interval_s ({self.heartbeat_interval_s}), got {self.coordinator_timeout_s}")
         require(self.reconnect_max_backoff_s > 0, "reconnect_max_backoff_s",
                 f"must be > 0 (got {self.reconnect_max_backoff_s})")
+        require(self.keep_per_tier >= 1, "keep_per_tier", f"must be >= 1 (got {self.keep_per_tier})")
+        require(self.tier_bandwidth_mb_s >= 0, "tier_bandwidth_mb_s", f"must be >= 0 (got {self.tier_bandwidth_mb_s})")
+        require(self.tiering_interval_s > 0, "tiering_interval_s", f"must be > 0 (got {self.tiering_interval_s})")
+        require(not self.s3_endpoint or self.s3_endpoint.startswith(("http://", "https://")), "s3_endpoint",
+                f"must be an http(s):// URL, got {self.s3_endpoint!r}")
+        require(bool(self.s3_bucket), "s3_bucket", "must not be empty")
         require(self.health_interval_s > 0, "health_interval_s", f"must be > 0 (got {self.health_interval_s})")
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,6 +27,7 @@ from ftd.logs import set_identity
 from ftd.v1 import coordinator_pb2
 
 from . import errors
+from .catalog import CatalogKeeper
 from .detector import Liveness, State, judge
 from .metrics import CoordinatorMetrics
 from .model import Event, LeaderInfo, NodeRecord, Role, valid_node_id
@@ -82,6 +83,8 @@ class Controller:
         self._last_confirmed = 0.0
         self._last_judged: float | None = None
         self._membership = asyncio.Lock()
+        self._commit_lock = asyncio.Lock()
+        self.catalog = CatalogKeeper(self)
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._elected = asyncio.Event()
@@ -150,6 +153,8 @@ class Controller:
         self._last_judged = None
         self.metrics.is_leader.set(1)
         set_identity(role="leader", epoch=self.view.world.epoch)
+        for problem in self.view.problems:
+            log.error("%s (skipped; the step is treated as invalid)", problem)
         self._publish_gauges()
         log.info("elected leader at %s: epoch %d, %d nodes known, grace %.1fs", self.address,
                  self.view.world.epoch, len(self.view.nodes), self.settings.failover_grace_s)
@@ -224,8 +229,17 @@ class Controller:
     # ---- commits -----------------------------------------------------------------------------
 
     async def _commit(self, kind: str, nodes: Sequence[NodeRecord] = (), world: Any = None,
-                      events: Sequence[tuple[str, str, str]] = ()) -> CommitResult:
-        """The only way durable state changes. Memory is updated by the caller after success."""
+                      events: Sequence[tuple[str, str, str]] = (), kv_puts: Mapping[str, bytes] | None = None,
+                      kv_deletes: Sequence[str] = ()) -> CommitResult:
+        """The only way durable state changes; one at a time (event sequence numbers are allocated
+        here). Node records and the world are applied to memory on success; other records by the
+        caller."""
+        async with self._commit_lock:
+            return await self._commit_locked(kind, nodes, world, events, kv_puts or {}, kv_deletes)
+
+    async def _commit_locked(self, kind: str, nodes: Sequence[NodeRecord], world: Any,
+                             events: Sequence[tuple[str, str, str]], kv_puts: Mapping[str, bytes],
+                             kv_deletes: Sequence[str]) -> CommitResult:
         view = self.require_leader()
         assert self.lease is not None
         now = time.time()
@@ -237,7 +251,7 @@ class Controller:
         started = time.perf_counter()
         try:
             result = await self._in(self._data_pool, "commit", self.store.commit, guard, nodes, world, evs,
-                                    max(0, last_seq + 1 - self.settings.max_events))
+                                    max(0, last_seq + 1 - self.settings.max_events), kv_puts, kv_deletes)
         except StoreUnavailable as exc:
             raise errors.StateUnavailable(f"not committed, etcd unreachable: {exc}") from exc
         except StoreRejected as exc:

@@ -60,5 +60,22 @@ class StateRejected(CoordinatorError):
     code = grpc.StatusCode.INTERNAL
 
 
+class CheckpointNotFound(CoordinatorError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ShardExists(CoordinatorError):
+    """A rank re-commits a step with other bytes: a step is never rewritten."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class CatalogConflict(CoordinatorError):
+    """The change contradicts the catalog (another world size, an invalid step, a rollback target
+    that is not valid)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 def grpc_code(exc: BaseException) -> grpc.StatusCode:
     return exc.code if isinstance(exc, CoordinatorError) else grpc.StatusCode.INTERNAL

@@ -16,7 +16,7 @@ Heartbeats never touch etcd. Every gRPC or client error is translated here, once
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -45,6 +45,7 @@ from .store import (
     StaleStateError,
     StoreRejected,
     StoreUnavailable,
+    check_kv_key,
     new_leader_info,
 )
 
@@ -88,6 +89,7 @@ class Keys:
         self.world = self.prefix + "world"
         self.nodes = self.prefix + "nodes/"
         self.events = self.prefix + "events/"
+        self.kv = self.prefix + "kv/"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
@@ -149,7 +151,9 @@ class EtcdStore:
                 self.keys.events, sort_order="descend", sort_target="key", limit=1, revision=revision
             )
             last_seq = int(last.kvs[0].key.decode().rsplit("/", 1)[1]) if last.kvs else 0
-            return Snapshot(nodes, world, world_rev, last_seq, leader)
+            extra = self._data.get_prefix_response(self.keys.kv, revision=revision)
+            kv = {item.key.decode()[len(self.keys.kv):]: item.value for item in extra.kvs}
+            return Snapshot(nodes, world, world_rev, last_seq, leader, kv)
 
         return self._call("load", read)
 
@@ -160,7 +164,12 @@ class EtcdStore:
         world: World | None = None,
         events: Sequence[Event] = (),
         prune_events_below: int = 0,
+        kv_puts: Mapping[str, bytes] | None = None,
+        kv_deletes: Sequence[str] = (),
     ) -> CommitResult:
+        kv_puts = kv_puts or {}
+        for key in [*kv_puts, *kv_deletes]:
+            check_kv_key(key)
         compare = [tx.Value(self.keys.leader) == encode(guard.leader)]
         ops: list[Any] = [tx.Put(self.keys.node(n.node_id), encode(n)) for n in nodes]
         if world is not None:
@@ -169,6 +178,8 @@ class EtcdStore:
             compare.append(tx.Mod(self.keys.world) == guard.world_revision)
             ops.append(tx.Put(self.keys.world, encode(world)))
         ops += [tx.Put(self.keys.event(e.seq), encode(e)) for e in events]
+        ops += [tx.Put(self.keys.kv + k, v) for k, v in kv_puts.items()]
+        ops += [tx.Delete(self.keys.kv + k) for k in kv_deletes]
         if prune_events_below > 1:
             ops.append(tx.Delete(self.keys.event(0), range_end=self.keys.event(prune_events_below)))
         ops.append(tx.Get(self.keys.world))

@@ -12,10 +12,11 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
+import grpc
 from grpc import aio
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
-from ftd.v1 import cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from . import errors
 from .client import LEADER_METADATA_KEY
@@ -41,6 +42,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return await fn()
         except errors.CoordinatorError as exc:
             await _abort(context, exc)
+        except Exception as exc:  # a bug: answer INTERNAL with what happened, keep serving
+            log.exception("request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"coordinator bug: {type(exc).__name__}: {exc}")
+            raise
 
     async def Register(self, request: coordinator_pb2.RegisterRequest,
                        context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RegisterResponse:
@@ -69,6 +74,36 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                               message=e.message)
             for e in events
         ])
+
+    # ---- checkpoint catalog --------------------------------------------------------------------
+
+    async def CommitShard(self, request: checkpoint_pb2.CommitShardRequest,
+                          context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.CommitShardResponse:
+        return await self._unary(context, lambda: self.ctl.catalog.commit_shard(request))
+
+    async def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,
+                         context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RecordCopyResponse:
+        return await self._unary(context, lambda: self.ctl.catalog.record_copy(request))
+
+    async def InvalidateCheckpoint(self, request: checkpoint_pb2.InvalidateCheckpointRequest,
+                                   context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.CheckpointInfo:
+        return await self._unary(context, lambda: self.ctl.catalog.invalidate(request))
+
+    async def ListCheckpoints(self, request: checkpoint_pb2.ListCheckpointsRequest,
+                              context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.ListCheckpointsResponse:
+        async def listed() -> checkpoint_pb2.ListCheckpointsResponse:
+            return checkpoint_pb2.ListCheckpointsResponse(checkpoints=self.ctl.catalog.list(request.job))
+        return await self._unary(context, listed)
+
+    async def GetRestoreTarget(self, request: checkpoint_pb2.GetRestoreTargetRequest,
+                               context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RestoreTarget:
+        async def target() -> checkpoint_pb2.RestoreTarget:
+            return self.ctl.catalog.restore_target(request.job)
+        return await self._unary(context, target)
+
+    async def Rollback(self, request: checkpoint_pb2.RollbackRequest,
+                       context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RollbackResponse:
+        return await self._unary(context, lambda: self.ctl.catalog.rollback(request))
 
     async def Heartbeat(  # type: ignore[override]  # read/write style, not an async generator
         self, request_iterator: AsyncIterator[coordinator_pb2.HeartbeatRequest],

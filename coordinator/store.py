@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,9 +58,15 @@ class StoreRejected(StoreError):
 MAX_TXN_OPS = 128
 
 
-def commit_ops(nodes: int, events: int, world: bool) -> int:
+def commit_ops(nodes: int, events: int, world: bool, kv: int = 0) -> int:
     """Operations one commit takes: puts, the event prune, the world read-back, the world put."""
-    return nodes + events + 2 + (1 if world else 0)
+    return nodes + events + kv + 2 + (1 if world else 0)
+
+
+def check_kv_key(key: str) -> str:
+    if not key or key.startswith("/") or ".." in key.split("/") or "\0" in key:
+        raise ValueError(f"bad kv key {key!r}")
+    return key
 
 
 class StaleStateError(StoreError):
@@ -74,6 +80,7 @@ class Snapshot:
     world_revision: int  # 0 when no world was ever written
     last_event_seq: int
     leader: LeaderInfo | None
+    kv: dict[str, bytes] = field(default_factory=dict)  # other subsystems' records (the checkpoint catalog)
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,8 @@ class StateStore(Protocol):
         world: World | None = None,
         events: Sequence[Event] = (),
         prune_events_below: int = 0,
+        kv_puts: Mapping[str, bytes] | None = None,
+        kv_deletes: Sequence[str] = (),
     ) -> CommitResult: ...
 
     def list_events(self, limit: int) -> list[Event]: ...
@@ -142,6 +151,7 @@ class MemoryStore:
     world: World = field(default_factory=World)
     world_revision: int = 0
     events: dict[int, Event] = field(default_factory=dict)
+    kv: dict[str, bytes] = field(default_factory=dict)
     revision: int = 0
     writes: int = 0
     _leader: _MemLease | None = None
@@ -171,7 +181,7 @@ class MemoryStore:
             self._check("load")
             last = max(self.events, default=0)
             leader = self._leader.lease.leader if self._leader else None
-            return Snapshot(dict(self.nodes), self.world, self.world_revision, last, leader)
+            return Snapshot(dict(self.nodes), self.world, self.world_revision, last, leader, dict(self.kv))
 
     def commit(
         self,
@@ -180,10 +190,15 @@ class MemoryStore:
         world: World | None = None,
         events: Sequence[Event] = (),
         prune_events_below: int = 0,
+        kv_puts: Mapping[str, bytes] | None = None,
+        kv_deletes: Sequence[str] = (),
     ) -> CommitResult:
+        kv_puts = kv_puts or {}
         with self._lock:
             self._check("commit")
-            ops = commit_ops(len(nodes), len(events), world is not None)
+            for key in [*kv_puts, *kv_deletes]:
+                check_kv_key(key)
+            ops = commit_ops(len(nodes), len(events), world is not None, len(kv_puts) + len(kv_deletes))
             if ops > self.max_txn_ops:
                 raise StoreRejected("commit", f"too many operations in txn request ({ops} > {self.max_txn_ops})")
             if self._leader is None or self._leader.lease.leader != guard.leader:
@@ -203,6 +218,9 @@ class MemoryStore:
                 self.events[event.seq] = event
             for seq in [s for s in self.events if s < prune_events_below]:
                 del self.events[seq]
+            for key in kv_deletes:
+                self.kv.pop(key, None)
+            self.kv.update(kv_puts)
             return CommitResult(self.world_revision)
 
     def list_events(self, limit: int) -> list[Event]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from .detector import Liveness, State, Verdict
@@ -47,6 +48,9 @@ class ClusterView:
     liveness: dict[str, Liveness] = field(default_factory=dict)
     runtime: dict[str, Runtime] = field(default_factory=dict)
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    catalog: ckpt.Catalog = field(default_factory=dict)
+    rollbacks: dict[str, ckpt.Rollback] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # records that did not load
     _rank: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -58,6 +62,7 @@ class ClusterView:
         for node_id, node in view.nodes.items():
             view.liveness[node_id] = Liveness(last_seen=now, grace_until=now + grace_s)
             view.runtime[node_id] = Runtime(incarnation=node.incarnation)
+        view.catalog, view.rollbacks, view.problems = ckpt.decode_all(snap.kv)
         return view
 
     def set_world(self, world: World, revision: int) -> None:

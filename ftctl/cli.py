@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable, rpc_code, rpc_details
 from ftd.v1 import cluster_pb2
 
-from . import demo, drill, localcluster, render
+from . import checkpoints, demo, drill, localcluster, render
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
 ENV_DRILL_TOKEN = "FTD_DRILL_TOKEN"
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--etcd-endpoints", help="use this etcd instead of starting one")
     up.add_argument("--racks", type=int, default=0, help="spread nodes over this many rack labels")
     up.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the cluster [s]")
+    up.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL for the cold tier (default: none)")
+    up.add_argument("--s3-bucket", default="ftd-checkpoints", help="bucket of the cold tier")
     sub.add_parser("down", help="stop everything 'ftctl up' started in --workdir")
 
     for name, help_text in (("status", "leader, epoch, world, spares, dead nodes"),
@@ -69,6 +71,20 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "events":
             cmd.add_argument("--limit", type=int, default=50)
+
+    ck = sub.add_parser("checkpoints", help="the checkpoint catalog: list, verify, rollback, migrations")
+    cks = ck.add_subparsers(dest="ck_command", required=True)
+    ck_list = cks.add_parser("list", parents=[common], help="every checkpoint with validity and its tiers")
+    ck_verify = cks.add_parser("verify", parents=[common],
+                               help="re-read every shard of STEP on every tier (exit 1 on a mismatch)")
+    ck_verify.add_argument("step", type=int)
+    ck_rb = cks.add_parser("rollback", parents=[common], help="make STEP the restore target of the next (re)start")
+    ck_rb.add_argument("--to", type=int, required=True, dest="to_step")
+    ck_mig = cks.add_parser("migrations", parents=[common], help="migrations between tiers, with progress bars")
+    ck_mig.add_argument("--watch", type=float, default=0.0, help="keep refreshing for this many seconds")
+    for cmd in (ck_list, ck_verify, ck_rb, ck_mig):
+        cmd.add_argument("--job", help="the job (default: the only one in the catalog)")
+        cmd.add_argument("--json", action="store_true")
 
     demo = sub.add_parser("demo", help="start a local cluster, kill a node for real, show the recovery")
     demo.add_argument("--nodes", type=int, default=2)
@@ -140,7 +156,8 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         if args.workdir is None:
             raise UsageError("ftctl up needs --workdir DIR")
         cluster = localcluster.up(args.workdir, args.nodes, args.spares, args.coordinators, args.etcd_endpoints,
-                                  args.racks, args.start_timeout)
+                                  args.racks, args.start_timeout, s3_endpoint=args.s3_endpoint,
+                                  s3_bucket=args.s3_bucket)
         print(f"cluster up in {cluster.workdir}: {args.nodes} active + {args.spares} spare nodes, "
               f"etcd {cluster.etcd_endpoints}")
         print(f"coordinator: {cluster.coordinator_endpoints}")
@@ -174,6 +191,8 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             events = [json_format.MessageToDict(e, preserving_proto_field_name=True)
                       for e in client.events(args.limit).events]
             _print_json(events) if args.json else print(render.events(events))
+        elif args.command == "checkpoints":
+            return _checkpoints(client, args)
         elif args.command == "drill":
             result = drill.kill_node(client, args.kill_node, _resolve_token(args, env), args.target_detect_s,
                                      args.drill_timeout)
@@ -182,6 +201,37 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         return 0
     finally:
         client.close()
+
+
+def _checkpoints(client: CoordinatorClient, args: argparse.Namespace) -> int:
+    if args.ck_command == "migrations":
+        if args.json:
+            _print_json(checkpoints.migrations(client))
+        else:
+            checkpoints.watch_migrations(client, args.watch)
+        return 0
+    job = checkpoints.resolve_job(client, args.job)
+    if args.ck_command == "list":
+        rows = [checkpoints.as_dict(c) for c in checkpoints.checkpoints(client, job)]
+        _print_json(rows) if args.json else print(render.checkpoints(rows))
+        return 0
+    if args.ck_command == "rollback":
+        result = checkpoints.rollback(client, job, args.to_step)
+        if args.json:
+            _print_json(result)
+        else:
+            print(f"job {job}: step {result['restore_target']} is the restore target of the next (re)start; "
+                  f"removed newer steps: {result['removed_steps'] or 'none'}")
+        return 0
+    rows = checkpoints.verify(client, job, args.step, None if args.json else checkpoints.print_progress)
+    bad = [r for r in rows if not r["ok"]]
+    if args.json:
+        _print_json({"job": job, "step": args.step, "ok": not bad, "copies": rows})
+    else:
+        print(render.verify(rows))
+        for r in bad:
+            print(f"MISMATCH rank {r['rank']} on {r['tier']}@{r['location']}: {r['error']}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = rpc_code(exc)
         print(f"ftctl: coordinator answered {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
         return 1
-    except (localcluster.ClusterError, drill.DrillError) as exc:
+    except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError) as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 1
 

@@ -47,6 +47,8 @@ class ClusterFile:
     coordinators: list[Proc] = field(default_factory=list)
     agents: list[Proc] = field(default_factory=list)
     created_unix_s: float = 0.0
+    s3_endpoint: str = ""
+    s3_bucket: str = ""
 
     @staticmethod
     def path(workdir: Path) -> Path:
@@ -111,6 +113,8 @@ def up(
     timeout_s: float = 60.0,
     extra_coordinator_args: list[str] | None = None,
     extra_agent_args: list[str] | None = None,
+    s3_endpoint: str = "",
+    s3_bucket: str = "ftd-checkpoints",
 ) -> ClusterFile:
     """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks."""
     if nodes < 1 or spares < 0 or coordinators < 1:
@@ -126,7 +130,8 @@ def up(
         stale.unlink()
     deadline = time.monotonic() + timeout_s
     cluster = ClusterFile(str(workdir), "", etcd_endpoints or "", etcd_endpoints is not None,
-                          secrets.token_hex(16), created_unix_s=time.time())
+                          secrets.token_hex(16), created_unix_s=time.time(), s3_endpoint=s3_endpoint,
+                          s3_bucket=s3_bucket if s3_endpoint else "")
     try:
         if etcd_endpoints is None:
             etcd = EtcdCluster(workdir / "etcd", size=1, detach=True).start(timeout_s=min(20.0, timeout_s))
@@ -172,10 +177,14 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
     log = workdir / "logs" / f"{node_id}.log"
     ready.unlink(missing_ok=True)
     label_text = ",".join(f"{k}={v}" for k, v in (labels or {}).items())
+    # Node-local SSD tier; one HDD directory shared by every node (a shared filesystem), so a spare
+    # can restore a dead node's rank without the cold tier.
     argv = [sys.executable, "-m", "ftd.agent.main", "--node-id", node_id, "--host", "127.0.0.1", "--role", role,
             "--coordinators", cluster.coordinator_endpoints, "--listen", "127.0.0.1:0",
             "--metrics-listen", "127.0.0.1:0", "--workdir", str(node_dir),
+            "--hdd-dir", str(workdir / "shared" / "hdd"), "--hdd-shared",
             "--ready-file", str(ready), "--drill-token", cluster.drill_token,
+            *(["--s3-endpoint", cluster.s3_endpoint, "--s3-bucket", cluster.s3_bucket] if cluster.s3_endpoint else []),
             *(["--labels", label_text] if label_text else []), *(extra_args or [])]
     proc = _spawn(argv, log)
     cluster.agents = [a for a in cluster.agents if a.name != node_id]

@@ -64,3 +64,18 @@ def drill(r: dict[str, Any]) -> str:
         f"replacement: {r['replacement'] or 'none'}",
         f"verdict:     {r['verdict']}",
     ])
+
+
+def checkpoints(rows: Sequence[dict[str, Any]]) -> str:
+    def yes(v: bool) -> str:
+        return "yes" if v else "-"
+
+    return table(("JOB", "STEP", "STATUS", "EPOCH", "WORLD", "SIZE", "SSD", "HDD", "S3"), [
+        (r["job"], r["step"], r["status"], r["epoch"], r["world_size"], f"{r['bytes'] / 1e6:.1f} MB",
+         yes(r["tiers"]["ssd"]), yes(r["tiers"]["hdd"]), yes(r["tiers"]["s3"])) for r in rows])
+
+
+def verify(rows: Sequence[dict[str, Any]]) -> str:
+    return table(("RANK", "TIER", "LOCATION", "RESULT", "DETAIL"), [
+        (r["rank"], r["tier"], r["location"], "ok" if r["ok"] else "MISMATCH" if r.get("checked") else "unchecked",
+         r.get("error", "")) for r in rows])

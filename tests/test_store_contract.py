@@ -148,3 +148,16 @@ def test_a_commit_over_the_transaction_limit_is_rejected_and_writes_nothing(stor
     store.commit(Guard(lease.leader, 0), nodes=fits, world=World(epoch=1), events=[
         Event(seq=1, at_unix_s=1.0, kind="k", message="m")])
     assert len(store.load().nodes) == len(fits)
+
+
+def test_kv_records_roundtrip_delete_and_refuse_escaping_keys(store: StateStore) -> None:
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    assert lease is not None
+    store.commit(Guard(lease.leader), kv_puts={"ckpt/j/1/meta": b"m1", "ckpt/j/1/rank-00000": b"r0"})
+    assert store.load().kv == {"ckpt/j/1/meta": b"m1", "ckpt/j/1/rank-00000": b"r0"}
+    store.commit(Guard(lease.leader), kv_puts={"ckpt/j/2/meta": b"m2"}, kv_deletes=["ckpt/j/1/rank-00000"])
+    assert store.load().kv == {"ckpt/j/1/meta": b"m1", "ckpt/j/2/meta": b"m2"}
+    for bad in ("../x", "/abs", ""):
+        with pytest.raises(ValueError, match="bad kv key"):
+            store.commit(Guard(lease.leader), kv_puts={bad: b"x"})
+    assert set(store.load().kv) == {"ckpt/j/1/meta", "ckpt/j/2/meta"}

@@ -22,28 +22,39 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from ftd.v1 import checkpoint_pb2 as ftd_dot_v1_dot_checkpoint__pb2
 from ftd.v1 import cluster_pb2 as ftd_dot_v1_dot_cluster__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66td/v1/agent.proto\x12\x06\x66td.v1\x1a\x14\x66td/v1/cluster.proto\"\x10\n\x0eGetInfoRequest\"\xcc\x01\n\tAgentInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12&\n\nassignment\x18\x04 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x1b\n\x13\x63oordinator_address\x18\x06 \x01(\t\x12\x17\n\x0fsupervised_pids\x18\x07 \x03(\x03\x12\"\n\x08progress\x18\x08 \x01(\x0b\x32\x10.ftd.v1.Progress\"I\n\x15ReportProgressRequest\x12\"\n\x08progress\x18\x01 \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"@\n\x16ReportProgressResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\"\x1d\n\x0bKillRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"0\n\x0cKillResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x13\n\x0bkilled_pids\x18\x02 \x03(\x03\x32\xc1\x01\n\x05\x41gent\x12\x34\n\x07GetInfo\x12\x16.ftd.v1.GetInfoRequest\x1a\x11.ftd.v1.AgentInfo\x12O\n\x0eReportProgress\x12\x1d.ftd.v1.ReportProgressRequest\x1a\x1e.ftd.v1.ReportProgressResponse\x12\x31\n\x04Kill\x12\x13.ftd.v1.KillRequest\x1a\x14.ftd.v1.KillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66td/v1/agent.proto\x12\x06\x66td.v1\x1a\x17\x66td/v1/checkpoint.proto\x1a\x14\x66td/v1/cluster.proto\"J\n\x11VerifyCopyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\"O\n\x12VerifyCopyResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x11\n\x0fGetTiersRequest\"\x89\x01\n\x05Tiers\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07ssd_dir\x18\x02 \x01(\t\x12\x0f\n\x07hdd_dir\x18\x03 \x01(\t\x12\x12\n\nhdd_shared\x18\x04 \x01(\x08\x12\x13\n\x0bs3_endpoint\x18\x05 \x01(\t\x12\x11\n\ts3_bucket\x18\x06 \x01(\t\x12\x11\n\ts3_prefix\x18\x07 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xf3\x01\n\tAgentInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12&\n\nassignment\x18\x04 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x1b\n\x13\x63oordinator_address\x18\x06 \x01(\t\x12\x17\n\x0fsupervised_pids\x18\x07 \x03(\x03\x12\"\n\x08progress\x18\x08 \x01(\x0b\x32\x10.ftd.v1.Progress\x12%\n\nmigrations\x18\t \x03(\x0b\x32\x11.ftd.v1.Migration\"k\n\tMigration\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x12\n\ndone_bytes\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\"\x82\x01\n\x15ReportProgressRequest\x12\"\n\x08progress\x18\x01 \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x18\n\x10\x63heckpoint_error\x18\x03 \x01(\t\x12\x1d\n\x15\x63heckpoint_error_kind\x18\x04 \x01(\t\"@\n\x16ReportProgressResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\"\x1d\n\x0bKillRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"0\n\x0cKillResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x13\n\x0bkilled_pids\x18\x02 \x03(\x03\x32\xe8\x04\n\x05\x41gent\x12\x34\n\x07GetInfo\x12\x16.ftd.v1.GetInfoRequest\x1a\x11.ftd.v1.AgentInfo\x12O\n\x0eReportProgress\x12\x1d.ftd.v1.ReportProgressRequest\x1a\x1e.ftd.v1.ReportProgressResponse\x12\x31\n\x04Kill\x12\x13.ftd.v1.KillRequest\x1a\x14.ftd.v1.KillResponse\x12\x46\n\x0b\x43ommitShard\x12\x1a.ftd.v1.CommitShardRequest\x1a\x1b.ftd.v1.CommitShardResponse\x12\x43\n\nRecordCopy\x12\x19.ftd.v1.RecordCopyRequest\x1a\x1a.ftd.v1.RecordCopyResponse\x12S\n\x14InvalidateCheckpoint\x12#.ftd.v1.InvalidateCheckpointRequest\x1a\x16.ftd.v1.CheckpointInfo\x12J\n\x10GetRestoreTarget\x12\x1f.ftd.v1.GetRestoreTargetRequest\x1a\x15.ftd.v1.RestoreTarget\x12\x32\n\x08GetTiers\x12\x17.ftd.v1.GetTiersRequest\x1a\r.ftd.v1.Tiers\x12\x43\n\nVerifyCopy\x12\x19.ftd.v1.VerifyCopyRequest\x1a\x1a.ftd.v1.VerifyCopyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ftd.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETINFOREQUEST']._serialized_start=52
-  _globals['_GETINFOREQUEST']._serialized_end=68
-  _globals['_AGENTINFO']._serialized_start=71
-  _globals['_AGENTINFO']._serialized_end=275
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=277
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=350
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=352
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=416
-  _globals['_KILLREQUEST']._serialized_start=418
-  _globals['_KILLREQUEST']._serialized_end=447
-  _globals['_KILLRESPONSE']._serialized_start=449
-  _globals['_KILLRESPONSE']._serialized_end=497
-  _globals['_AGENT']._serialized_start=500
-  _globals['_AGENT']._serialized_end=693
+  _globals['_VERIFYCOPYREQUEST']._serialized_start=77
+  _globals['_VERIFYCOPYREQUEST']._serialized_end=151
+  _globals['_VERIFYCOPYRESPONSE']._serialized_start=153
+  _globals['_VERIFYCOPYRESPONSE']._serialized_end=232
+  _globals['_GETTIERSREQUEST']._serialized_start=234
+  _globals['_GETTIERSREQUEST']._serialized_end=251
+  _globals['_TIERS']._serialized_start=254
+  _globals['_TIERS']._serialized_end=391
+  _globals['_GETINFOREQUEST']._serialized_start=393
+  _globals['_GETINFOREQUEST']._serialized_end=409
+  _globals['_AGENTINFO']._serialized_start=412
+  _globals['_AGENTINFO']._serialized_end=655
+  _globals['_MIGRATION']._serialized_start=657
+  _globals['_MIGRATION']._serialized_end=764
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=767
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=897
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=899
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=963
+  _globals['_KILLREQUEST']._serialized_start=965
+  _globals['_KILLREQUEST']._serialized_end=994
+  _globals['_KILLRESPONSE']._serialized_start=996
+  _globals['_KILLRESPONSE']._serialized_end=1044
+  _globals['_AGENT']._serialized_start=1047
+  _globals['_AGENT']._serialized_end=1663
 # @@protoc_insertion_point(module_scope)

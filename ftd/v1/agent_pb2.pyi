@@ -22,6 +22,118 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class VerifyCopyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    step: _builtins.int
+    rank: _builtins.int
+    tier: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        tier: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "rank", b"rank", "step", b"step", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyCopyRequest: _TypeAlias = VerifyCopyRequest  # noqa: Y015
+
+@_typing.final
+class VerifyCopyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OK_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    ok: _builtins.bool
+    error: _builtins.str
+    """what did not match, naming the file"""
+    bytes: _builtins.int
+    seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        ok: _builtins.bool = ...,
+        error: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "error", b"error", "ok", b"ok", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyCopyResponse: _TypeAlias = VerifyCopyResponse  # noqa: Y015
+
+@_typing.final
+class GetTiersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTiersRequest: _TypeAlias = GetTiersRequest  # noqa: Y015
+
+@_typing.final
+class Tiers(_message.Message):
+    """Where this node's tiers are, so the training process can read and write them directly."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    SSD_DIR_FIELD_NUMBER: _builtins.int
+    HDD_DIR_FIELD_NUMBER: _builtins.int
+    HDD_SHARED_FIELD_NUMBER: _builtins.int
+    S3_ENDPOINT_FIELD_NUMBER: _builtins.int
+    S3_BUCKET_FIELD_NUMBER: _builtins.int
+    S3_PREFIX_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    ssd_dir: _builtins.str
+    hdd_dir: _builtins.str
+    hdd_shared: _builtins.bool
+    s3_endpoint: _builtins.str
+    """empty: no cold tier"""
+    s3_bucket: _builtins.str
+    s3_prefix: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        ssd_dir: _builtins.str = ...,
+        hdd_dir: _builtins.str = ...,
+        hdd_shared: _builtins.bool = ...,
+        s3_endpoint: _builtins.str = ...,
+        s3_bucket: _builtins.str = ...,
+        s3_prefix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hdd_dir", b"hdd_dir", "hdd_shared", b"hdd_shared", "node_id", b"node_id", "s3_bucket", b"s3_bucket", "s3_endpoint", b"s3_endpoint", "s3_prefix", b"s3_prefix", "ssd_dir", b"ssd_dir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tiers: _TypeAlias = Tiers  # noqa: Y015
+
+@_typing.final
 class GetInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -48,6 +160,7 @@ class AgentInfo(_message.Message):
     COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
     SUPERVISED_PIDS_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    MIGRATIONS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     host: _builtins.str
     pid: _builtins.int
@@ -61,6 +174,8 @@ class AgentInfo(_message.Message):
     def supervised_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def progress(self) -> _cluster_pb2.Progress: ...
+    @_builtins.property
+    def migrations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Migration]: ...
     def __init__(
         self,
         *,
@@ -72,14 +187,51 @@ class AgentInfo(_message.Message):
         coordinator_address: _builtins.str = ...,
         supervised_pids: _abc.Iterable[_builtins.int] | None = ...,
         progress: _cluster_pb2.Progress | None = ...,
+        migrations: _abc.Iterable[Global___Migration] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "connected", b"connected", "coordinator_address", b"coordinator_address", "host", b"host", "node_id", b"node_id", "pid", b"pid", "progress", b"progress", "supervised_pids", b"supervised_pids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "connected", b"connected", "coordinator_address", b"coordinator_address", "host", b"host", "migrations", b"migrations", "node_id", b"node_id", "pid", b"pid", "progress", b"progress", "supervised_pids", b"supervised_pids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AgentInfo: _TypeAlias = AgentInfo  # noqa: Y015
+
+@_typing.final
+class Migration(_message.Message):
+    """A shard being copied to a slower tier."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    DONE_BYTES_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    step: _builtins.int
+    rank: _builtins.int
+    tier: _builtins.str
+    done_bytes: _builtins.int
+    total_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        tier: _builtins.str = ...,
+        done_bytes: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done_bytes", b"done_bytes", "job", b"job", "rank", b"rank", "step", b"step", "tier", b"tier", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Migration: _TypeAlias = Migration  # noqa: Y015
 
 @_typing.final
 class ReportProgressRequest(_message.Message):
@@ -87,7 +239,13 @@ class ReportProgressRequest(_message.Message):
 
     PROGRESS_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ERROR_KIND_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
+    checkpoint_error: _builtins.str
+    """a save that failed on this rank (e.g. no space left on the SSD tier)"""
+    checkpoint_error_kind: _builtins.str
+    """"disk_full", "io", ..."""
     @_builtins.property
     def progress(self) -> _cluster_pb2.Progress: ...
     def __init__(
@@ -95,10 +253,12 @@ class ReportProgressRequest(_message.Message):
         *,
         progress: _cluster_pb2.Progress | None = ...,
         rank: _builtins.int = ...,
+        checkpoint_error: _builtins.str = ...,
+        checkpoint_error_kind: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_error", b"checkpoint_error", "checkpoint_error_kind", b"checkpoint_error_kind", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

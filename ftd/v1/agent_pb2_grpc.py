@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from ftd.v1 import agent_pb2 as ftd_dot_v1_dot_agent__pb2
+from ftd.v1 import checkpoint_pb2 as ftd_dot_v1_dot_checkpoint__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,36 @@ class AgentStub:
                 request_serializer=ftd_dot_v1_dot_agent__pb2.KillRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_agent__pb2.KillResponse.FromString,
                 _registered_method=True)
+        self.CommitShard = channel.unary_unary(
+                '/ftd.v1.Agent/CommitShard',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardResponse.FromString,
+                _registered_method=True)
+        self.RecordCopy = channel.unary_unary(
+                '/ftd.v1.Agent/RecordCopy',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyResponse.FromString,
+                _registered_method=True)
+        self.InvalidateCheckpoint = channel.unary_unary(
+                '/ftd.v1.Agent/InvalidateCheckpoint',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.InvalidateCheckpointRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
+        self.GetRestoreTarget = channel.unary_unary(
+                '/ftd.v1.Agent/GetRestoreTarget',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.GetRestoreTargetRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RestoreTarget.FromString,
+                _registered_method=True)
+        self.GetTiers = channel.unary_unary(
+                '/ftd.v1.Agent/GetTiers',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.GetTiersRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.Tiers.FromString,
+                _registered_method=True)
+        self.VerifyCopy = channel.unary_unary(
+                '/ftd.v1.Agent/VerifyCopy',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -75,6 +106,46 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitShard(self, request, context):
+        """Checkpoints, for the training process: the agent fills in its node as the location, forwards to
+        the coordinator (following the leader, retrying what is idempotent) and, for CommitShard, queues
+        the shard for migration to the slower tiers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordCopy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InvalidateCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRestoreTarget(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTiers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyCopy(self, request, context):
+        """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +163,36 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Kill,
                     request_deserializer=ftd_dot_v1_dot_agent__pb2.KillRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_agent__pb2.KillResponse.SerializeToString,
+            ),
+            'CommitShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitShard,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardResponse.SerializeToString,
+            ),
+            'RecordCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordCopy,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyResponse.SerializeToString,
+            ),
+            'InvalidateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.InvalidateCheckpoint,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.InvalidateCheckpointRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'GetRestoreTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRestoreTarget,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.GetRestoreTargetRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.RestoreTarget.SerializeToString,
+            ),
+            'GetTiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTiers,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.GetTiersRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.Tiers.SerializeToString,
+            ),
+            'VerifyCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyCopy,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +276,168 @@ class Agent:
             '/ftd.v1.Agent/Kill',
             ftd_dot_v1_dot_agent__pb2.KillRequest.SerializeToString,
             ftd_dot_v1_dot_agent__pb2.KillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/CommitShard',
+            ftd_dot_v1_dot_checkpoint__pb2.CommitShardRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.CommitShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/RecordCopy',
+            ftd_dot_v1_dot_checkpoint__pb2.RecordCopyRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.RecordCopyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InvalidateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/InvalidateCheckpoint',
+            ftd_dot_v1_dot_checkpoint__pb2.InvalidateCheckpointRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRestoreTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/GetRestoreTarget',
+            ftd_dot_v1_dot_checkpoint__pb2.GetRestoreTargetRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.RestoreTarget.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/GetTiers',
+            ftd_dot_v1_dot_agent__pb2.GetTiersRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.Tiers.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/VerifyCopy',
+            ftd_dot_v1_dot_agent__pb2.VerifyCopyRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.VerifyCopyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ over TCP. Destructive operations need `authorization: Bearer <drill token>` meta
 
 from collections import abc as _abc
 from ftd.v1 import agent_pb2 as _agent_pb2
+from ftd.v1 import checkpoint_pb2 as _checkpoint_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
@@ -40,6 +41,17 @@ class AgentStub:
     """Crashes the node for real: SIGKILL of the supervised processes, then of the agent itself.
     PERMISSION_DENIED without the drill token; FAILED_PRECONDITION when drills are disabled.
     """
+    CommitShard: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.CommitShardRequest, _checkpoint_pb2.CommitShardResponse]
+    """Checkpoints, for the training process: the agent fills in its node as the location, forwards to
+    the coordinator (following the leader, retrying what is idempotent) and, for CommitShard, queues
+    the shard for migration to the slower tiers.
+    """
+    RecordCopy: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.RecordCopyRequest, _checkpoint_pb2.RecordCopyResponse]
+    InvalidateCheckpoint: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.InvalidateCheckpointRequest, _checkpoint_pb2.CheckpointInfo]
+    GetRestoreTarget: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]
+    GetTiers: _grpc.UnaryUnaryMultiCallable[_agent_pb2.GetTiersRequest, _agent_pb2.Tiers]
+    VerifyCopy: _grpc.UnaryUnaryMultiCallable[_agent_pb2.VerifyCopyRequest, _agent_pb2.VerifyCopyResponse]
+    """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
 
 @_typing.type_check_only
 class AgentAsyncStub(AgentStub):
@@ -51,6 +63,17 @@ class AgentAsyncStub(AgentStub):
     """Crashes the node for real: SIGKILL of the supervised processes, then of the agent itself.
     PERMISSION_DENIED without the drill token; FAILED_PRECONDITION when drills are disabled.
     """
+    CommitShard: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.CommitShardRequest, _checkpoint_pb2.CommitShardResponse]  # type: ignore[assignment]
+    """Checkpoints, for the training process: the agent fills in its node as the location, forwards to
+    the coordinator (following the leader, retrying what is idempotent) and, for CommitShard, queues
+    the shard for migration to the slower tiers.
+    """
+    RecordCopy: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.RecordCopyRequest, _checkpoint_pb2.RecordCopyResponse]  # type: ignore[assignment]
+    InvalidateCheckpoint: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.InvalidateCheckpointRequest, _checkpoint_pb2.CheckpointInfo]  # type: ignore[assignment]
+    GetRestoreTarget: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]  # type: ignore[assignment]
+    GetTiers: _aio.UnaryUnaryMultiCallable[_agent_pb2.GetTiersRequest, _agent_pb2.Tiers]  # type: ignore[assignment]
+    VerifyCopy: _aio.UnaryUnaryMultiCallable[_agent_pb2.VerifyCopyRequest, _agent_pb2.VerifyCopyResponse]  # type: ignore[assignment]
+    """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
 
 class AgentServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -77,5 +100,52 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         """Crashes the node for real: SIGKILL of the supervised processes, then of the agent itself.
         PERMISSION_DENIED without the drill token; FAILED_PRECONDITION when drills are disabled.
         """
+
+    @_abc_1.abstractmethod
+    def CommitShard(
+        self,
+        request: _checkpoint_pb2.CommitShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.CommitShardResponse, _abc.Awaitable[_checkpoint_pb2.CommitShardResponse]]:
+        """Checkpoints, for the training process: the agent fills in its node as the location, forwards to
+        the coordinator (following the leader, retrying what is idempotent) and, for CommitShard, queues
+        the shard for migration to the slower tiers.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordCopy(
+        self,
+        request: _checkpoint_pb2.RecordCopyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.RecordCopyResponse, _abc.Awaitable[_checkpoint_pb2.RecordCopyResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def InvalidateCheckpoint(
+        self,
+        request: _checkpoint_pb2.InvalidateCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.CheckpointInfo, _abc.Awaitable[_checkpoint_pb2.CheckpointInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def GetRestoreTarget(
+        self,
+        request: _checkpoint_pb2.GetRestoreTargetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.RestoreTarget, _abc.Awaitable[_checkpoint_pb2.RestoreTarget]]: ...
+
+    @_abc_1.abstractmethod
+    def GetTiers(
+        self,
+        request: _agent_pb2.GetTiersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.Tiers, _abc.Awaitable[_agent_pb2.Tiers]]: ...
+
+    @_abc_1.abstractmethod
+    def VerifyCopy(
+        self,
+        request: _agent_pb2.VerifyCopyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.VerifyCopyResponse, _abc.Awaitable[_agent_pb2.VerifyCopyResponse]]:
+        """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from ftd.v1 import checkpoint_pb2 as ftd_dot_v1_dot_checkpoint__pb2
 from ftd.v1 import coordinator_pb2 as ftd_dot_v1_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -59,6 +60,36 @@ class CoordinatorStub:
                 request_serializer=ftd_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
                 _registered_method=True)
+        self.CommitShard = channel.unary_unary(
+                '/ftd.v1.Coordinator/CommitShard',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardResponse.FromString,
+                _registered_method=True)
+        self.RecordCopy = channel.unary_unary(
+                '/ftd.v1.Coordinator/RecordCopy',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyResponse.FromString,
+                _registered_method=True)
+        self.InvalidateCheckpoint = channel.unary_unary(
+                '/ftd.v1.Coordinator/InvalidateCheckpoint',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.InvalidateCheckpointRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/ftd.v1.Coordinator/ListCheckpoints',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.GetRestoreTarget = channel.unary_unary(
+                '/ftd.v1.Coordinator/GetRestoreTarget',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.GetRestoreTargetRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RestoreTarget.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/ftd.v1.Coordinator/Rollback',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -99,6 +130,46 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitShard(self, request, context):
+        """The checkpoint catalog. A checkpoint is valid only when every rank's shard is committed with
+        its checksum. INVALID_ARGUMENT names a malformed field (a job id that could escape a directory,
+        a negative step, a rank outside the world); FAILED_PRECONDITION when a shard contradicts its step;
+        ALREADY_EXISTS when a rank re-commits a step with other bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordCopy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InvalidateCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRestoreTarget(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +197,36 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListEvents,
                     request_deserializer=ftd_dot_v1_dot_coordinator__pb2.ListEventsRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_coordinator__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'CommitShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitShard,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.CommitShardResponse.SerializeToString,
+            ),
+            'RecordCopy': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordCopy,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.RecordCopyResponse.SerializeToString,
+            ),
+            'InvalidateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.InvalidateCheckpoint,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.InvalidateCheckpointRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'GetRestoreTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRestoreTarget,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.GetRestoreTargetRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.RestoreTarget.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +364,168 @@ class Coordinator:
             '/ftd.v1.Coordinator/ListEvents',
             ftd_dot_v1_dot_coordinator__pb2.ListEventsRequest.SerializeToString,
             ftd_dot_v1_dot_coordinator__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/CommitShard',
+            ftd_dot_v1_dot_checkpoint__pb2.CommitShardRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.CommitShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordCopy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/RecordCopy',
+            ftd_dot_v1_dot_checkpoint__pb2.RecordCopyRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.RecordCopyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InvalidateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/InvalidateCheckpoint',
+            ftd_dot_v1_dot_checkpoint__pb2.InvalidateCheckpointRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/ListCheckpoints',
+            ftd_dot_v1_dot_checkpoint__pb2.ListCheckpointsRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRestoreTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/GetRestoreTarget',
+            ftd_dot_v1_dot_checkpoint__pb2.GetRestoreTargetRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.RestoreTarget.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/Rollback',
+            ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.FromString,
             options,
             channel_credentials,
             insecure,

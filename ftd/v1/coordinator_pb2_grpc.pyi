@@ -9,6 +9,7 @@ clients follow it.
 """
 
 from collections import abc as _abc
+from ftd.v1 import checkpoint_pb2 as _checkpoint_pb2
 from ftd.v1 import coordinator_pb2 as _coordinator_pb2
 from grpc import aio as _aio
 import abc as _abc_1
@@ -48,6 +49,17 @@ class CoordinatorStub:
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]
     ListNodes: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListNodesRequest, _coordinator_pb2.ListNodesResponse]
     ListEvents: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]
+    CommitShard: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.CommitShardRequest, _checkpoint_pb2.CommitShardResponse]
+    """The checkpoint catalog. A checkpoint is valid only when every rank's shard is committed with
+    its checksum. INVALID_ARGUMENT names a malformed field (a job id that could escape a directory,
+    a negative step, a rank outside the world); FAILED_PRECONDITION when a shard contradicts its step;
+    ALREADY_EXISTS when a rank re-commits a step with other bytes.
+    """
+    RecordCopy: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.RecordCopyRequest, _checkpoint_pb2.RecordCopyResponse]
+    InvalidateCheckpoint: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.InvalidateCheckpointRequest, _checkpoint_pb2.CheckpointInfo]
+    ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.ListCheckpointsRequest, _checkpoint_pb2.ListCheckpointsResponse]
+    GetRestoreTarget: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]
+    Rollback: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.RollbackRequest, _checkpoint_pb2.RollbackResponse]
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -64,6 +76,17 @@ class CoordinatorAsyncStub(CoordinatorStub):
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]  # type: ignore[assignment]
     ListNodes: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListNodesRequest, _coordinator_pb2.ListNodesResponse]  # type: ignore[assignment]
     ListEvents: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListEventsRequest, _coordinator_pb2.ListEventsResponse]  # type: ignore[assignment]
+    CommitShard: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.CommitShardRequest, _checkpoint_pb2.CommitShardResponse]  # type: ignore[assignment]
+    """The checkpoint catalog. A checkpoint is valid only when every rank's shard is committed with
+    its checksum. INVALID_ARGUMENT names a malformed field (a job id that could escape a directory,
+    a negative step, a rank outside the world); FAILED_PRECONDITION when a shard contradicts its step;
+    ALREADY_EXISTS when a rank re-commits a step with other bytes.
+    """
+    RecordCopy: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.RecordCopyRequest, _checkpoint_pb2.RecordCopyResponse]  # type: ignore[assignment]
+    InvalidateCheckpoint: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.InvalidateCheckpointRequest, _checkpoint_pb2.CheckpointInfo]  # type: ignore[assignment]
+    ListCheckpoints: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.ListCheckpointsRequest, _checkpoint_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
+    GetRestoreTarget: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]  # type: ignore[assignment]
+    Rollback: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.RollbackRequest, _checkpoint_pb2.RollbackResponse]  # type: ignore[assignment]
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -107,5 +130,52 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ListEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListEventsResponse, _abc.Awaitable[_coordinator_pb2.ListEventsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CommitShard(
+        self,
+        request: _checkpoint_pb2.CommitShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.CommitShardResponse, _abc.Awaitable[_checkpoint_pb2.CommitShardResponse]]:
+        """The checkpoint catalog. A checkpoint is valid only when every rank's shard is committed with
+        its checksum. INVALID_ARGUMENT names a malformed field (a job id that could escape a directory,
+        a negative step, a rank outside the world); FAILED_PRECONDITION when a shard contradicts its step;
+        ALREADY_EXISTS when a rank re-commits a step with other bytes.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordCopy(
+        self,
+        request: _checkpoint_pb2.RecordCopyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.RecordCopyResponse, _abc.Awaitable[_checkpoint_pb2.RecordCopyResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def InvalidateCheckpoint(
+        self,
+        request: _checkpoint_pb2.InvalidateCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.CheckpointInfo, _abc.Awaitable[_checkpoint_pb2.CheckpointInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def ListCheckpoints(
+        self,
+        request: _checkpoint_pb2.ListCheckpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.ListCheckpointsResponse, _abc.Awaitable[_checkpoint_pb2.ListCheckpointsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetRestoreTarget(
+        self,
+        request: _checkpoint_pb2.GetRestoreTargetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.RestoreTarget, _abc.Awaitable[_checkpoint_pb2.RestoreTarget]]: ...
+
+    @_abc_1.abstractmethod
+    def Rollback(
+        self,
+        request: _checkpoint_pb2.RollbackRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.RollbackResponse, _abc.Awaitable[_checkpoint_pb2.RollbackResponse]]: ...
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

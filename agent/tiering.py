@@ -1,0 +1,338 @@
+"""Background tiering of committed checkpoint shards: SSD → HDD → S3, with bounded bandwidth, every
+copy verified against the shard manifest while it streams, recorded in the catalog, and retention
+of the newest valid checkpoints per tier.
+
+Everything is computed from what is published on each tier (listing the tier itself) plus the
+catalog's validity, so an agent restarted at any point picks up where it was: a copy interrupted
+half-way is an unpublished staging folder (cleaned), an upload to S3 resumes from its journal.
+
+Responsibility for a shard on a shared tier (a shared HDD mount, S3) lies with the node that holds
+the shard on its own SSD — the node that currently owns that rank — so no two agents migrate or
+delete the same shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ftd.checkpoints import catalog as rules
+from ftd.checkpoints.layout import MANIFEST, ManifestError, ShardManifest, parse_shard_key, shard_prefix
+from ftd.storage_backends.base import (
+    AlreadyPublished,
+    StorageBackend,
+    StorageError,
+    StorageFull,
+    StorageUnavailable,
+)
+
+log = logging.getLogger("ftd.agent.tiering")
+ShardId = tuple[str, int, int]  # (job, step, rank)
+
+
+@dataclass
+class TokenBucket:
+    """Bandwidth limit. :meth:`delay` consumes ``n`` bytes at ``now`` and says how long to wait."""
+
+    rate: float  # bytes per second; 0 disables the limit
+    burst: float
+    tokens: float = 0.0
+    last: float | None = None
+
+    def delay(self, n: int, now: float) -> float:
+        if self.rate <= 0:
+            return 0.0
+        if self.last is None:
+            self.tokens, self.last = self.burst, now
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        self.tokens -= n
+        return max(0.0, -self.tokens / self.rate)
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str  # "ssd", "hdd", "s3"
+    backend: StorageBackend
+    location: str  # this node's id for node-local tiers, "shared" / "s3" for shared ones
+
+    @property
+    def shared(self) -> bool:
+        return self.location in ("shared", "s3")
+
+
+@dataclass
+class Migration:
+    job: str
+    step: int
+    rank: int
+    tier: str
+    done: int = 0
+    total: int = 0
+
+
+@dataclass
+class Stats:
+    migrated_bytes: dict[str, int] = field(default_factory=dict)
+    migrations: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    lag_steps: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)
+    deleted: dict[str, int] = field(default_factory=dict)
+    last_valid_step: dict[str, int] = field(default_factory=dict)  # job -> newest valid step
+
+
+def published_shards(backend: StorageBackend) -> dict[ShardId, ShardManifest]:
+    """Every published shard on a tier, by reading its manifest (a manifest that does not parse is
+    logged and skipped: such a folder is not a usable copy)."""
+    out: dict[ShardId, ShardManifest] = {}
+    for info in backend.list(""):
+        if not info.key.endswith("/" + MANIFEST):
+            continue
+        ident = parse_shard_key(info.key)
+        if ident is None or not backend.is_published(shard_prefix(*ident), MANIFEST):
+            continue
+        try:
+            with backend.open_read(info.key) as f:
+                manifest = ShardManifest.decode(f"{backend.name}/{info.key}", f.read())
+        except (ManifestError, StorageError) as exc:
+            log.warning("skipping shard %s: %s", info.key, exc)
+            continue
+        if (manifest.job, manifest.step, manifest.rank) == ident:
+            out[ident] = manifest
+    return out
+
+
+class Tiering:
+    def __init__(
+        self,
+        tiers: list[Tier],
+        catalog: Callable[[str, Any], Any],  # (method, request) -> response, on the coordinator
+        keep: int = 3,
+        bandwidth_bytes_s: float = 0.0,
+        interval_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not tiers or tiers[0].name != "ssd":
+            raise ValueError("the first tier must be the node's SSD (hot) tier")
+        self.tiers = tiers
+        self.catalog = catalog
+        self.keep = keep
+        self.bucket = TokenBucket(bandwidth_bytes_s, burst=max(bandwidth_bytes_s, 8 << 20))
+        self.interval_s = interval_s
+        self.clock = clock
+        self.sleep = sleep
+        self.stats = Stats()
+        self.current: Migration | None = None
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+
+    def notify(self) -> None:
+        """A shard was just committed on the SSD: start a pass now."""
+        self._wake.set()
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.pass_once()
+            except Exception:  # one bad pass must not end tiering
+                log.exception("tiering pass failed")
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    # ---- one pass ------------------------------------------------------------------------------
+
+    def pass_once(self) -> None:
+        with self._lock:
+            ssd = self.tiers[0]
+            local = published_shards(ssd.backend)
+            jobs = sorted({job for job, _, _ in local})
+            records = {job: self._records(job) for job in jobs}
+            if any(r is None for r in records.values()):
+                return  # without the catalog nothing is copied or deleted
+            catalog: dict[tuple[str, int], Any] = {}
+            for job, infos in records.items():
+                for info in infos or []:
+                    catalog[(job, info.step)] = info
+                valid = [i.step for i in infos or [] if i.valid]
+                if valid:
+                    self.stats.last_valid_step[job] = max(valid)
+            for tier in self.tiers[1:]:
+                self._migrate_to(tier, local, catalog)
+            for tier in self.tiers:
+                self._retain(tier, local, catalog)
+
+    def _records(self, job: str) -> list[Any] | None:
+        from ftd.v1 import checkpoint_pb2
+
+        try:
+            return list(self.catalog("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job=job)).checkpoints)
+        except Exception as exc:
+            log.warning("catalog unreachable, tiering paused: %s", exc)
+            return None
+
+    def _has_copy(self, info: Any, rank: int, tier: Tier) -> bool:
+        for shard in info.shards:
+            if shard.rank == rank:
+                return any(c.tier == tier.name and c.location == tier.location for c in shard.copies) and \
+                    f"{tier.name}@{tier.location}" not in shard.bad
+        return False
+
+    def _migrate_to(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Mapping[Any, Any]) -> None:
+        todo = []
+        for ident, manifest in local.items():
+            info = catalog.get((ident[0], ident[1]))
+            committed = info is not None and not info.status.startswith("invalid") and any(
+                s.rank == ident[2] for s in info.shards)
+            if committed and not self._has_copy(info, ident[2], tier):
+                todo.append((ident, manifest))
+        self.stats.pending[tier.name] = len(todo)
+        newest_local = max((s for (_, s, _) in local), default=0)
+        for ident, manifest in sorted(todo, key=lambda t: -t[0][1]):  # newest first: the lag that matters
+            try:
+                self._copy(self.tiers[0], tier, manifest)
+            except StorageUnavailable as exc:
+                self.stats.errors[tier.name] = self.stats.errors.get(tier.name, 0) + 1
+                log.warning("tier %s unreachable, it lags until it is back: %s", tier.name, exc)
+                break
+            except StorageFull as exc:
+                self.stats.errors[tier.name] = self.stats.errors.get(tier.name, 0) + 1
+                log.error("tier %s is full, shard %s not copied: %s", tier.name, ident, exc)
+                break
+            except StorageError as exc:
+                self.stats.errors[tier.name] = self.stats.errors.get(tier.name, 0) + 1
+                log.error("copy of %s to %s failed: %s", ident, tier.name, exc)
+            except (grpc.RpcError, ConnectionError) as exc:
+                log.warning("copy of %s to %s not recorded in the catalog (retried next pass): %s", ident,
+                            tier.name, exc)
+            self.stats.pending[tier.name] -= 1
+        on_tier = [s for (j, s, r) in local if (info := catalog.get((j, s))) and self._has_copy(info, r, tier)]
+        self.stats.lag_steps[tier.name] = newest_local - max(on_tier, default=newest_local if not local else 0)
+
+    def _copy(self, src: Tier, dst: Tier, manifest: ShardManifest) -> None:
+        from ftd.v1 import checkpoint_pb2
+
+        prefix = shard_prefix(manifest.job, manifest.step, manifest.rank)
+        if dst.backend.is_published(prefix, MANIFEST):
+            try:
+                with dst.backend.open_read(f"{prefix}/{MANIFEST}") as f:
+                    there = ShardManifest.decode(f"{dst.backend.name}/{prefix}", f.read())
+            except (ManifestError, StorageError):
+                there = None
+            if there is None or there.checksum != manifest.checksum:
+                log.info("replacing a stale copy of %s on %s (another timeline's bytes)", prefix, dst.name)
+                dst.backend.delete_prefix(prefix)
+            else:
+                self._record(manifest, dst, present=True)
+                return
+        move = Migration(manifest.job, manifest.step, manifest.rank, dst.name, 0, manifest.total_bytes)
+        self.current = move
+        started = self.clock()
+        staging = dst.backend.stage(prefix)
+        try:
+            for entry in manifest.files:
+                def progress(n: int) -> None:
+                    move.done += n
+                    wait = self.bucket.delay(n, self.clock())
+                    if wait > 0:
+                        self.sleep(wait)
+
+                with src.backend.open_read(f"{prefix}/{entry.name}") as stream:
+                    written = staging.put_stream(entry.name, stream, progress)
+                if written.crc32c != entry.crc32c or written.size != entry.size:
+                    why = (f"{entry.name}: crc32c {written.crc32c} size {written.size}, manifest says "
+                           f"{entry.crc32c} size {entry.size}")
+                    staging.abort()
+                    log.error("source copy of %s on %s is corrupt (%s); not migrated", prefix, src.name, why)
+                    self.catalog("RecordCopy", checkpoint_pb2.RecordCopyRequest(
+                        job=manifest.job, step=manifest.step, rank=manifest.rank, tier=src.name,
+                        location=src.location, present=True, corrupt_reason=why))
+                    return
+            staging.publish(MANIFEST, manifest.encode())
+        except AlreadyPublished:
+            pass  # a concurrent copy won; it was verified the same way
+        except BaseException:
+            staging.abort()
+            raise
+        finally:
+            self.current = None
+        self.stats.migrated_bytes[dst.name] = self.stats.migrated_bytes.get(dst.name, 0) + manifest.total_bytes
+        self.stats.migrations[dst.name] = self.stats.migrations.get(dst.name, 0) + 1
+        log.info("copied %s to %s (%d bytes in %.2fs)", prefix, dst.name, manifest.total_bytes, self.clock() - started)
+        self._record(manifest, dst, present=True)
+
+    def _record(self, manifest: ShardManifest, tier: Tier, present: bool) -> None:
+        from ftd.v1 import checkpoint_pb2
+
+        self.catalog("RecordCopy", checkpoint_pb2.RecordCopyRequest(
+            job=manifest.job, step=manifest.step, rank=manifest.rank, tier=tier.name, location=tier.location,
+            present=present))
+
+    def verify(self, job: str, step: int, rank: int, tier_name: str) -> tuple[bool, str, int]:
+        """Re-reads one shard copy on one of this node's tiers against the catalog's record:
+        the manifest, then every file's size and CRC32C. Returns (ok, what was wrong, bytes read)."""
+        from ftd.storage_backends.base import Crc32c
+
+        tier = next((t for t in self.tiers if t.name == tier_name), None)
+        if tier is None:
+            return False, f"this node has no {tier_name} tier", 0
+        infos = self._records(job)
+        info = next((i for i in infos or [] if i.step == step), None)
+        shard = next((s for s in info.shards if s.rank == rank), None) if info is not None else None
+        if shard is None:
+            return False, f"the catalog has no rank {rank} of {job} step {step}", 0
+        prefix = shard_prefix(job, step, rank)
+        where = f"{tier.name}:{prefix}"
+        total = 0
+        try:
+            if not tier.backend.is_published(prefix, MANIFEST):
+                return False, f"{where}: no published shard (manifest missing)", 0
+            with tier.backend.open_read(f"{prefix}/{MANIFEST}") as f:
+                manifest = ShardManifest.decode(f"{tier.backend.name}/{prefix}/{MANIFEST}", f.read())
+            if manifest.checksum != shard.checksum:
+                return False, f"{where}: manifest checksum {manifest.checksum}, catalog {shard.checksum}", 0
+            for entry in manifest.files:
+                crc = Crc32c()
+                size = 0
+                with tier.backend.open_read(f"{prefix}/{entry.name}") as f:
+                    while block := f.read(8 << 20):
+                        crc.update(block)
+                        size += len(block)
+                total += size
+                if size != entry.size or crc.hexdigest() != entry.crc32c:
+                    return False, (f"{where}/{entry.name}: {size} bytes crc32c {crc.hexdigest()}, expected "
+                                   f"{entry.size} bytes crc32c {entry.crc32c}"), total
+        except (ManifestError, StorageError) as exc:
+            return False, f"{where}: {exc}", total
+        return True, "", total
+
+    def _retain(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Mapping[Any, Any]) -> None:
+        """Per (job, rank) this node is responsible for: keep the newest ``keep`` valid steps
+        committed on this tier (see :func:`ftd.checkpoints.catalog.retention`)."""
+        mine = {(j, r) for (j, _, r) in local}
+        here = local if tier is self.tiers[0] else published_shards(tier.backend)
+        by_rank: dict[tuple[str, int], dict[int, ShardManifest]] = {}
+        for (job, step, rank), manifest in here.items():
+            if tier.shared and (job, rank) not in mine:
+                continue  # another node owns that rank now
+            by_rank.setdefault((job, rank), {})[step] = manifest
+        for (job, rank), steps in by_rank.items():
+            valid = {s: bool(info.valid) for s in steps if (info := catalog.get((job, s))) is not None}
+            on_tier = {s: True for s in steps}
+            for deletion in rules.retention(on_tier, valid, self.keep):
+                prefix = shard_prefix(job, deletion.step, rank)
+                log.info("retention on %s: deleting %s (%s)", tier.name, prefix, deletion.reason)
+                tier.backend.delete_prefix(prefix)
+                self.stats.deleted[tier.name] = self.stats.deleted.get(tier.name, 0) + 1
+                if (job, deletion.step) in catalog:
+                    try:
+                        self._record(steps[deletion.step], tier, present=False)
+                    except Exception as exc:
+                        log.warning("could not record the deletion of %s: %s", prefix, exc)

@@ -1,0 +1,319 @@
+"""The checkpoint catalog: what the coordinator keeps in etcd, and the pure rules over it.
+
+A checkpoint (job, step) is **valid** only when every rank ``0..world_size-1`` has committed its shard
+with a checksum and nobody found it unrecoverable. Each shard records its copies by tier and location
+(``("ssd", "node-3")``, ``("hdd", "shared")``, ``("s3", "s3")``) and the copies found corrupt.
+
+Rules (pure functions returning a reason, tested without I/O):
+
+* :func:`commit_shard` — admit one rank's shard, refusing anything that contradicts the step;
+* :func:`restore_target` — the newest valid step;
+* :func:`rollback` — make a step the restore target by removing the newer steps from the catalog;
+* :func:`retention` — per tier: keep the newest ``keep`` valid steps committed *there*, never delete
+  an older valid one before a newer one is committed there, never touch in-progress steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .layout import FileEntry, ShardManifest
+
+TIERS = ("ssd", "hdd", "s3")
+KV_PREFIX = "ckpt/"
+
+
+class CatalogError(ValueError):
+    """A catalog change that contradicts what is recorded; ``field`` names the culprit."""
+
+    def __init__(self, field: str, why: str, exists: bool = False) -> None:
+        super().__init__(why)
+        self.field = field
+        self.exists = exists  # True: the thing is already there (ALREADY_EXISTS), else a conflict
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    rank: int
+    bytes: int
+    checksum: str
+    files: tuple[FileEntry, ...]
+    copies: frozenset[tuple[str, str]] = frozenset()
+    bad: Mapping[str, str] = field(default_factory=dict)  # "tier@location" -> why it is corrupt
+    committed_unix_s: float = 0.0
+
+    def good_copies(self) -> list[tuple[str, str]]:
+        return sorted(c for c in self.copies if f"{c[0]}@{c[1]}" not in self.bad)
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    job: str
+    step: int
+    epoch: int
+    world_size: int
+    format: str
+    created_unix_s: float
+    shards: Mapping[int, ShardRecord] = field(default_factory=dict)
+    invalid_reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.shards) == self.world_size and all(r in self.shards for r in range(self.world_size))
+
+    @property
+    def valid(self) -> bool:
+        return self.complete and not self.invalid_reason
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards.values())
+
+    def on_tier(self, tier: str) -> bool:
+        """Every rank has a good copy on ``tier``."""
+        return self.complete and all(any(t == tier for t, _ in s.good_copies()) for s in self.shards.values())
+
+    @property
+    def restorable(self) -> bool:
+        """Valid, and every rank still has a copy not known to be corrupt somewhere."""
+        return self.valid and all(s.good_copies() for s in self.shards.values())
+
+    @property
+    def orphaned(self) -> bool:
+        """No copy of any shard is left on any tier: the record describes nothing any more."""
+        return all(not s.copies for s in self.shards.values())
+
+    def status(self) -> str:
+        if self.invalid_reason:
+            return f"invalid: {self.invalid_reason}"
+        if not self.complete:
+            return f"in progress: {len(self.shards)} of {self.world_size} shards committed"
+        return "valid"
+
+
+@dataclass(frozen=True)
+class Rollback:
+    job: str
+    step: int
+    at_unix_s: float
+    superseded: tuple[int, ...] = ()
+
+
+# ---- rules --------------------------------------------------------------------------------------
+
+
+def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier: str, location: str,
+                 now: float) -> tuple[CheckpointRecord, str]:
+    """Admits one shard copy. Returns the new record and what happened; raises :class:`CatalogError`
+    when the shard contradicts the step (other world size, epoch or format; other bytes for a rank
+    already committed)."""
+    if tier not in TIERS:
+        raise CatalogError("tier", f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
+    if record is None:
+        record = CheckpointRecord(manifest.job, manifest.step, manifest.epoch, manifest.world_size,
+                                  manifest.format, now)
+    for name, mine, theirs in (("world_size", manifest.world_size, record.world_size),
+                               ("epoch", manifest.epoch, record.epoch), ("format", manifest.format, record.format)):
+        if mine != theirs:
+            raise CatalogError(name, f"step {manifest.step} of job {manifest.job} has {name} {theirs}; "
+                                     f"rank {manifest.rank} reports {mine}")
+    if record.invalid_reason:
+        raise CatalogError("step", f"step {manifest.step} of job {manifest.job} is invalid "
+                                   f"({record.invalid_reason}); save a new step instead")
+    shard = record.shards.get(manifest.rank)
+    if shard is not None and shard.checksum != manifest.checksum:
+        raise CatalogError("rank", f"rank {manifest.rank} of step {manifest.step} is already committed with "
+                                   f"checksum {shard.checksum}, not {manifest.checksum}; a step is never rewritten",
+                           exists=True)
+    copy = (tier, location)
+    if shard is None:
+        shard = ShardRecord(manifest.rank, manifest.total_bytes, manifest.checksum, manifest.files, frozenset([copy]),
+                            {}, now)
+        what = f"rank {manifest.rank} committed on {tier}@{location}"
+    else:
+        bad = {k: v for k, v in shard.bad.items() if k != f"{tier}@{location}"}  # a fresh copy heals a bad one
+        shard = replace(shard, copies=shard.copies | {copy}, bad=bad)
+        what = f"rank {manifest.rank} copy recorded on {tier}@{location}"
+    new = replace(record, shards={**record.shards, manifest.rank: shard})
+    if new.valid and not record.valid:
+        what += f"; step {manifest.step} is now valid ({new.world_size} shards)"
+    return new, what
+
+
+def add_copy(record: CheckpointRecord, rank: int, tier: str, location: str) -> CheckpointRecord:
+    """A verified copy of an already committed shard now exists on ``tier``@``location`` (a
+    migration); unlike :func:`commit_shard` this is allowed on an invalid step (it is just a fact)."""
+    if tier not in TIERS:
+        raise CatalogError("tier", f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
+    shard = record.shards.get(rank)
+    if shard is None:
+        raise CatalogError("rank", f"step {record.step} of job {record.job} has no committed rank {rank}")
+    bad = {k: v for k, v in shard.bad.items() if k != f"{tier}@{location}"}
+    shard = replace(shard, copies=shard.copies | {(tier, location)}, bad=bad)
+    return replace(record, shards={**record.shards, rank: shard})
+
+
+def drop_copy(record: CheckpointRecord, rank: int, tier: str, location: str, corrupt: str = "") -> CheckpointRecord:
+    """A copy was deleted (retention) or found corrupt (``corrupt`` says why)."""
+    shard = record.shards.get(rank)
+    if shard is None:
+        return record
+    if corrupt:
+        shard = replace(shard, bad={**shard.bad, f"{tier}@{location}": corrupt})
+    else:
+        shard = replace(shard, copies=shard.copies - {(tier, location)})
+    return replace(record, shards={**record.shards, rank: shard})
+
+
+def restore_target(records: Iterable[CheckpointRecord],
+                   rollback_to: Rollback | None = None) -> tuple[CheckpointRecord | None, str]:
+    """The newest valid step that every rank can still read from some tier (a rollback removed
+    everything newer than its target)."""
+    valid = sorted((r for r in records if r.restorable), key=lambda r: r.step)
+    if not valid:
+        return None, "no valid checkpoint: start from scratch"
+    newest = valid[-1]
+    if rollback_to is not None and rollback_to.step == newest.step:
+        return newest, f"step {newest.step}, the rollback target"
+    return newest, f"newest valid step {newest.step}"
+
+
+def rollback(records: Iterable[CheckpointRecord], job: str, step: int,
+             now: float) -> tuple[Rollback, list[CheckpointRecord]]:
+    """Makes ``step`` the restore target of the next (re)start. Newer steps of the job belong to the
+    timeline being abandoned: they are returned to be removed from the catalog (their folders on the
+    tiers become unknown and are replaced when the new timeline saves those steps again, or deleted
+    by retention once older than the kept steps). Raises :class:`CatalogError` if ``step`` is not a
+    valid checkpoint of ``job``."""
+    by_step = {r.step: r for r in records if r.job == job}
+    target = by_step.get(step)
+    if target is None:
+        raise CatalogError("step", f"job {job} has no checkpoint at step {step}; known: "
+                                   f"{', '.join(str(s) for s in sorted(by_step)) or 'none'}")
+    if not target.valid:
+        raise CatalogError("step", f"step {step} of job {job} is not valid ({target.status()})")
+    removed = [r for s, r in sorted(by_step.items()) if s > step]
+    return Rollback(job, step, now, tuple(r.step for r in removed)), removed
+
+
+@dataclass(frozen=True)
+class Deletion:
+    step: int
+    reason: str
+
+
+def retention(on_tier: Mapping[int, bool], valid: Mapping[int, bool], keep: int = 3) -> list[Deletion]:
+    """What to delete from one tier.
+
+    ``on_tier``: step → whether its shard(s) are committed on this tier (published folders seen by
+    listing the tier itself, so the answer survives restarts). ``valid``: step → whether the catalog
+    says the checkpoint is valid (missing = unknown to the catalog).
+
+    Keeps the newest ``keep`` valid steps committed on this tier. Deletes older valid steps only when
+    ``keep`` newer valid ones are committed here; deletes invalid or unknown steps only when they are
+    older than the oldest kept valid step (newer ones may still be in progress).
+    """
+    if keep < 1:
+        raise ValueError("keep must be >= 1")
+    committed_valid = sorted((s for s, here in on_tier.items() if here and valid.get(s)), reverse=True)
+    kept = committed_valid[:keep]
+    out = [Deletion(s, f"older than the {keep} newest valid checkpoints on this tier ({', '.join(map(str, kept))})")
+           for s in committed_valid[keep:]]
+    if len(kept) == keep:
+        floor = kept[-1]
+        for s in sorted(on_tier):
+            if s < floor and not valid.get(s):
+                why = "invalid" if s in valid else "unknown to the catalog"
+                out.append(Deletion(s, f"{why} and older than kept step {floor}"))
+    return sorted(out, key=lambda d: d.step)
+
+
+# ---- codec (etcd keys under the cluster prefix) -------------------------------------------------
+
+
+def meta_key(job: str, step: int) -> str:
+    return f"{KV_PREFIX}{job}/{step:012d}/meta"
+
+
+def shard_key(job: str, step: int, rank: int) -> str:
+    return f"{KV_PREFIX}{job}/{step:012d}/rank-{rank:05d}"
+
+
+def rollback_key(job: str) -> str:
+    return f"{KV_PREFIX}{job}/rollback"
+
+
+def encode(record: CheckpointRecord, ranks: Sequence[int] | None = None) -> dict[str, bytes]:
+    """The keys to write for ``record`` (all shards, or only ``ranks``)."""
+    meta = {"job": record.job, "step": record.step, "epoch": record.epoch, "world_size": record.world_size,
+            "format": record.format, "created_unix_s": record.created_unix_s, "invalid_reason": record.invalid_reason}
+    out = {meta_key(record.job, record.step): _dump(meta)}
+    for rank in record.shards if ranks is None else ranks:
+        s = record.shards[rank]
+        out[shard_key(record.job, record.step, rank)] = _dump({
+            "rank": s.rank, "bytes": s.bytes, "checksum": s.checksum, "committed_unix_s": s.committed_unix_s,
+            "files": [[f.name, f.size, f.crc32c] for f in s.files], "copies": sorted(s.copies), "bad": dict(s.bad)})
+    return out
+
+
+def encode_rollback(rb: Rollback) -> dict[str, bytes]:
+    return {rollback_key(rb.job): _dump({"job": rb.job, "step": rb.step, "at_unix_s": rb.at_unix_s,
+                                         "superseded": list(rb.superseded)})}
+
+
+def keys_of(record: CheckpointRecord) -> list[str]:
+    return [meta_key(record.job, record.step)] + [shard_key(record.job, record.step, r) for r in record.shards]
+
+
+Catalog = dict[tuple[str, int], CheckpointRecord]
+
+
+def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], list[str]]:
+    """Rebuilds the catalog from its keys. A key that does not parse is reported in the third value
+    and skipped — one corrupt record must not stop a leader from loading the rest. A step whose
+    meta or shard record is corrupt is loaded as invalid, never as valid."""
+    problems: list[str] = []
+    metas: dict[tuple[str, int], dict[str, Any]] = {}
+    shards: dict[tuple[str, int], dict[int, ShardRecord]] = {}
+    rollbacks: dict[str, Rollback] = {}
+    for key, raw in kv.items():
+        if not key.startswith(KV_PREFIX):
+            continue
+        parts = key[len(KV_PREFIX):].split("/")
+        try:
+            data = json.loads(raw)
+            if len(parts) == 2 and parts[1] == "rollback":
+                rollbacks[parts[0]] = Rollback(data["job"], int(data["step"]), float(data["at_unix_s"]),
+                                               tuple(int(s) for s in data.get("superseded", ())))
+            elif len(parts) == 3 and parts[2] == "meta":
+                metas[(parts[0], int(parts[1]))] = data
+            elif len(parts) == 3 and parts[2].startswith("rank-"):
+                s = ShardRecord(int(data["rank"]), int(data["bytes"]), str(data["checksum"]),
+                                tuple(FileEntry(str(n), int(z), str(c)) for n, z, c in data["files"]),
+                                frozenset((str(t), str(loc)) for t, loc in data["copies"]),
+                                {str(k): str(v) for k, v in data.get("bad", {}).items()},
+                                float(data.get("committed_unix_s", 0.0)))
+                shards.setdefault((parts[0], int(parts[1])), {})[s.rank] = s
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            problems.append(f"catalog key {key!r} is corrupt: {type(exc).__name__}: {exc}")
+            if len(parts) == 3 and parts[1].isdigit():
+                metas.setdefault((parts[0], int(parts[1])), {})["corrupt"] = key
+    records = {}
+    for (job, step), m in metas.items():
+        try:
+            reason = str(m.get("invalid_reason", ""))
+            if "corrupt" in m:
+                reason = f"catalog record {m['corrupt']} is corrupt"
+            records[(job, step)] = CheckpointRecord(
+                job, step, int(m["epoch"]), int(m["world_size"]), str(m["format"]), float(m["created_unix_s"]),
+                shards.get((job, step), {}), reason)
+        except (ValueError, KeyError, TypeError) as exc:
+            problems.append(f"catalog step {job}/{step} has no usable meta record: {exc}")
+    return records, rollbacks, problems
+
+
+def _dump(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()

@@ -1,0 +1,138 @@
+"""Checkpoint layout, shard manifests and catalog rules: pure, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftd.checkpoints.catalog import (
+    CatalogError,
+    Rollback,
+    commit_shard,
+    decode_all,
+    drop_copy,
+    encode,
+    encode_rollback,
+    restore_target,
+    retention,
+    rollback,
+)
+from ftd.checkpoints.layout import (
+    BadIdentifier,
+    FileEntry,
+    ManifestError,
+    ShardManifest,
+    check_job,
+    check_step,
+    parse_shard_key,
+    shard_prefix,
+)
+
+
+def manifest(step: int = 100, rank: int = 0, world: int = 2, epoch: int = 3, crc: str = "0a0b0c0d") -> ShardManifest:
+    return ShardManifest("job1", step, epoch, rank, world, "torch", (FileEntry("state.pt", 1024, crc),), 5.0)
+
+
+@pytest.mark.parametrize("job", ["..", ".", "a/b", "/abs", "", "a\\b", "x" * 200, "-lead", 7])
+def test_job_ids_that_could_escape_are_refused(job: object) -> None:
+    with pytest.raises(BadIdentifier) as err:
+        check_job(job)
+    assert err.value.field == "job"
+
+
+@pytest.mark.parametrize("step", [-1, "5", "../5", 1.5, True, 10**12])
+def test_bad_steps(step: object) -> None:
+    with pytest.raises(BadIdentifier):
+        check_step(step)
+
+
+def test_layout_keys() -> None:
+    assert shard_prefix("job1", 100, 3) == "job1/step-000000000100/rank-00003"
+    assert parse_shard_key("job1/step-000000000100/rank-00003/state.pt") == ("job1", 100, 3)
+    assert parse_shard_key("job1/step-1/rank-00003") is None
+    assert parse_shard_key("../step-000000000100/rank-00003") is None
+
+
+def test_manifest_roundtrip_and_named_errors() -> None:
+    m = manifest()
+    assert ShardManifest.decode("x", m.encode()) == m
+    assert len(m.checksum) == 8 and m.checksum != manifest(crc="ffffffff").checksum
+    with pytest.raises(ManifestError, match="not JSON"):
+        ShardManifest.decode("ssd:job1/step/SHARD.json", b"{not json")
+    bad = m.encode().replace(b'"state.pt"', b'"../../etc/passwd"')
+    with pytest.raises(ManifestError, match="file"):
+        ShardManifest.decode("x", bad)
+    with pytest.raises(ManifestError):
+        ShardManifest.decode("x", m.encode().replace(b'"rank": 0', b'"rank": 7'))
+
+
+def test_a_checkpoint_is_valid_only_when_every_rank_committed() -> None:
+    rec, what = commit_shard(None, manifest(rank=1), "ssd", "node-1", 10.0)
+    assert not rec.valid and rec.status() == "in progress: 1 of 2 shards committed"
+    rec, what = commit_shard(rec, manifest(rank=0), "ssd", "node-0", 11.0)
+    assert rec.valid and "now valid" in what
+    assert rec.on_tier("ssd") and not rec.on_tier("hdd")
+    rec, _ = commit_shard(rec, manifest(rank=0), "hdd", "shared", 12.0)
+    rec, _ = commit_shard(rec, manifest(rank=1), "hdd", "shared", 12.0)
+    assert rec.on_tier("hdd")
+    assert not drop_copy(rec, 1, "hdd", "shared", corrupt="crc mismatch").on_tier("hdd")
+
+
+def test_contradictions_are_refused_with_the_field() -> None:
+    rec, _ = commit_shard(None, manifest(rank=0), "ssd", "n0", 1.0)
+    with pytest.raises(CatalogError) as err:
+        commit_shard(rec, manifest(rank=1, world=4), "ssd", "n1", 1.0)
+    assert err.value.field == "world_size" and not err.value.exists
+    with pytest.raises(CatalogError) as err:
+        commit_shard(rec, manifest(rank=0, crc="deadbeef"), "ssd", "n0", 1.0)
+    assert err.value.field == "rank" and err.value.exists
+    with pytest.raises(CatalogError, match="unknown tier"):
+        commit_shard(rec, manifest(rank=1), "tape", "n1", 1.0)
+
+
+def test_restore_target_and_rollback() -> None:
+    recs = []
+    for step in (10, 20, 30):
+        r, _ = commit_shard(None, manifest(step=step, rank=0, world=1), "ssd", "n0", float(step))
+        recs.append(r)
+    partial, _ = commit_shard(None, manifest(step=40, rank=0, world=2), "ssd", "n0", 40.0)
+    recs.append(partial)
+    target, why = restore_target(recs)
+    assert target is not None and target.step == 30 and "newest valid" in why
+    rb, removed = rollback(recs, "job1", 20, 99.0)
+    assert [r.step for r in removed] == [30, 40] and rb.superseded == (30, 40)
+    kept = [r for r in recs if r.step not in rb.superseded]
+    target, why = restore_target(kept, rb)
+    assert target is not None and target.step == 20 and "rollback" in why
+    with pytest.raises(CatalogError, match="not valid"):
+        rollback(recs, "job1", 40, 1.0)
+    with pytest.raises(CatalogError, match="no checkpoint at step 25"):
+        rollback(recs, "job1", 25, 1.0)
+    assert restore_target([])[0] is None
+
+
+def test_retention_keeps_the_last_three_valid_committed_here() -> None:
+    steps = range(10, 110, 10)  # 10 checkpoints
+    on_tier = {s: True for s in steps}
+    valid = {s: True for s in steps}
+    assert [d.step for d in retention(on_tier, valid, keep=3)] == list(range(10, 80, 10))
+    # 100 is valid but not yet copied here: 70 must stay until it is.
+    on_tier[100] = False
+    assert 70 not in {d.step for d in retention(on_tier, valid, keep=3)}
+    # In-progress (unknown) newer steps are never touched; invalid older ones go.
+    on_tier, valid = {10: True, 20: True, 30: True, 40: True, 50: True}, {10: False, 20: True, 30: True, 40: True}
+    deleted = {d.step: d.reason for d in retention(on_tier, valid, keep=3)}
+    assert set(deleted) == {10} and "invalid" in deleted[10]
+    # Fewer valid than keep: nothing older is deleted at all.
+    assert retention({1: True, 2: True}, {1: False, 2: True}, keep=3) == []
+
+
+def test_codec_roundtrip_and_corrupt_keys_are_reported_not_fatal() -> None:
+    rec, _ = commit_shard(None, manifest(rank=0), "ssd", "n0", 1.0)
+    rec, _ = commit_shard(rec, manifest(rank=1), "s3", "s3", 2.0)
+    kv = encode(rec) | encode_rollback(Rollback("job1", 100, 3.0))
+    records, rollbacks, problems = decode_all(kv)
+    assert records[("job1", 100)] == rec and rollbacks["job1"].step == 100 and problems == []
+    kv["ckpt/job1/000000000100/rank-00001"] = b"garbage"
+    records, _, problems = decode_all(kv)
+    assert problems and "rank-00001" in problems[0]
+    assert not records[("job1", 100)].valid and "corrupt" in records[("job1", 100)].invalid_reason

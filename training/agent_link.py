@@ -1,0 +1,82 @@
+"""The training process's link to its node's agent (gRPC over the agent's Unix socket).
+
+Every call has a deadline. The agent forwards catalog calls to the coordinator leader; a failure
+reaches the caller as :class:`AgentUnavailable` (no agent, or it could not reach the coordinator)
+or :class:`CatalogRefused` (the coordinator refused the change, e.g. a contradicting shard).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+
+from ftd.coordinator.client import rpc_code, rpc_details
+from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
+
+ENV_SOCKET = "FTD_AGENT_SOCKET"
+
+
+class AgentUnavailable(ConnectionError):
+    pass
+
+
+class CatalogRefused(RuntimeError):
+    def __init__(self, code: grpc.StatusCode | None, details: str) -> None:
+        super().__init__(f"{code.name if code else '?'}: {details}")
+        self.code = code
+
+
+class AgentLink:
+    def __init__(self, socket_path: str | None = None, timeout_s: float = 10.0) -> None:
+        path = socket_path or os.environ.get(ENV_SOCKET)
+        if not path:
+            raise AgentUnavailable(f"no agent socket: set {ENV_SOCKET} (the ftd agent sets it for the workers it "
+                                   "launches) or pass agent_socket=")
+        self.socket_path = path
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(f"unix:{path}")
+        self._stub = agent_pb2_grpc.AgentStub(self._channel)
+
+    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            code = rpc_code(exc)
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise AgentUnavailable(f"agent at unix:{self.socket_path}: {rpc_details(exc)}") from exc
+            raise CatalogRefused(code, rpc_details(exc)) from exc
+
+    def info(self) -> agent_pb2.AgentInfo:
+        return self._call("GetInfo", agent_pb2.GetInfoRequest())  # type: ignore[no-any-return]
+
+    def tiers(self) -> agent_pb2.Tiers:
+        return self._call("GetTiers", agent_pb2.GetTiersRequest())  # type: ignore[no-any-return]
+
+    def commit_shard(self, manifest: checkpoint_pb2.ShardManifest) -> checkpoint_pb2.CommitShardResponse:
+        return self._call("CommitShard", checkpoint_pb2.CommitShardRequest(manifest=manifest))  # type: ignore[no-any-return]
+
+    def record_copy(self, request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
+        return self._call("RecordCopy", request)  # type: ignore[no-any-return]
+
+    def invalidate(self, job: str, step: int, reason: str) -> checkpoint_pb2.CheckpointInfo:
+        return self._call("InvalidateCheckpoint", checkpoint_pb2.InvalidateCheckpointRequest(  # type: ignore[no-any-return]
+            job=job, step=step, reason=reason))
+
+    def restore_target(self, job: str) -> checkpoint_pb2.RestoreTarget:
+        return self._call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=job))  # type: ignore[no-any-return]
+
+    def report(self, rank: int, step: int | None = None, loss: float | None = None, grad_norm: float | None = None,
+               error: str = "", error_kind: str = "") -> agent_pb2.ReportProgressResponse:
+        request = agent_pb2.ReportProgressRequest(rank=rank, checkpoint_error=error, checkpoint_error_kind=error_kind)
+        if step is not None:
+            request.progress.CopyFrom(cluster_pb2.Progress(step=step))
+            if loss is not None:
+                request.progress.loss = loss
+            if grad_norm is not None:
+                request.progress.grad_norm = grad_norm
+        return self._call("ReportProgress", request, timeout_s=2.0)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._channel.close()
