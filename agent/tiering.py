@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -119,6 +120,7 @@ class Tiering:
         interval_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        stale_after_s: float = 3600.0,
     ) -> None:
         if not tiers or tiers[0].name != "ssd":
             raise ValueError("the first tier must be the node's SSD (hot) tier")
@@ -131,6 +133,9 @@ class Tiering:
         self.sleep = sleep
         self.stats = Stats()
         self.current: Migration | None = None
+        self.stale_after_s = stale_after_s
+        self.cleanup_every_s = 60.0
+        self._last_cleanup = -1e18
         self._wake = threading.Event()
         self._lock = threading.Lock()
 
@@ -164,6 +169,14 @@ class Tiering:
                 valid = [i.step for i in infos or [] if i.valid]
                 if valid:
                     self.stats.last_valid_step[job] = max(valid)
+            now = self.clock()
+            if now - self._last_cleanup >= self.cleanup_every_s:
+                self._last_cleanup = now
+                for tier in self.tiers[1:]:
+                    try:  # what interrupted copies left: staging folders, abandoned multipart uploads
+                        tier.backend.cleanup("", older_than_s=self.stale_after_s, marker_name=MANIFEST)
+                    except StorageError as exc:
+                        log.warning("cleanup of %s failed: %s", tier.name, exc)
             for tier in self.tiers[1:]:
                 self._migrate_to(tier, local, catalog)
             for tier in self.tiers:
@@ -228,7 +241,7 @@ class Tiering:
                 there = None
             if there is None or there.checksum != manifest.checksum:
                 log.info("replacing a stale copy of %s on %s (another timeline's bytes)", prefix, dst.name)
-                dst.backend.delete_prefix(prefix)
+                dst.backend.delete_prefix(prefix, marker_name=MANIFEST)
             else:
                 self._record(manifest, dst, present=True)
                 return
@@ -244,8 +257,12 @@ class Tiering:
                     if wait > 0:
                         self.sleep(wait)
 
-                with src.backend.open_read(f"{prefix}/{entry.name}") as stream:
-                    written = staging.put_stream(entry.name, stream, progress)
+                source = getattr(src.backend, "root", None)
+                if source is not None:  # a local source: put_file lets S3 resume an interrupted upload
+                    written = staging.put_file(entry.name, Path(source) / prefix / entry.name, progress)
+                else:
+                    with src.backend.open_read(f"{prefix}/{entry.name}") as stream:
+                        written = staging.put_stream(entry.name, stream, progress)
                 if written.crc32c != entry.crc32c or written.size != entry.size:
                     why = (f"{entry.name}: crc32c {written.crc32c} size {written.size}, manifest says "
                            f"{entry.crc32c} size {entry.size}")
@@ -329,7 +346,7 @@ class Tiering:
             for deletion in rules.retention(on_tier, valid, self.keep):
                 prefix = shard_prefix(job, deletion.step, rank)
                 log.info("retention on %s: deleting %s (%s)", tier.name, prefix, deletion.reason)
-                tier.backend.delete_prefix(prefix)
+                tier.backend.delete_prefix(prefix, marker_name=MANIFEST)
                 self.stats.deleted[tier.name] = self.stats.deleted.get(tier.name, 0) + 1
                 if (job, deletion.step) in catalog:
                     try:

@@ -223,7 +223,7 @@ class Checkpointer:
             # A published folder for this step: another timeline's (after a rollback) or a crash
             # between publish and commit. Never reused as is; replaced.
             log.info("replacing an existing unpublished-in-catalog shard folder %s", prefix)
-            backend.delete_prefix(prefix)
+            backend.delete_prefix(prefix, marker_name=MANIFEST)
         staging = backend.stage(prefix)
         try:
             directory = Path(staging.tmp)  # type: ignore[attr-defined]  # the local tier is written in place
