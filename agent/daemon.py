@@ -59,7 +59,8 @@ class AgentDaemon:
             from ftd.storage_backends.s3 import S3Backend
 
             tiers.append(Tier("s3", S3Backend(s.s3_bucket, s.s3_prefix, endpoint_url=s.s3_endpoint,
-                                              region=s.s3_region, state_dir=s.workdir / "s3-uploads"), "s3"))
+                                              region=s.s3_region, state_dir=s.workdir / "s3-uploads",
+                                              read_timeout_s=s.s3_timeout_s, max_attempts=s.s3_max_attempts), "s3"))
         return tiers
 
     def _catalog_call(self, method: str, request: Any) -> Any:

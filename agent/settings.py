@@ -36,6 +36,9 @@ class AgentSettings:
     s3_bucket: str = setting("ftd-checkpoints", "bucket of the cold tier")
     s3_prefix: str = setting("", "key prefix inside the bucket")
     s3_region: str = setting("us-east-1", "region of the cold tier")
+    s3_timeout_s: float = setting(10.0, "read timeout of one S3 request", "s")
+    s3_max_attempts: int = setting(5, "attempts of an idempotent S3 request before the tier counts as unreachable",
+                                   "attempts")
     keep_per_tier: int = setting(3, "valid checkpoints kept on each tier", "checkpoints")
     tier_bandwidth_mb_s: float = setting(200.0, "bandwidth cap of background migrations (0: none)", "MB/s")
     tiering_interval_s: float = setting(2.0, "period of the tiering pass (migrations, retention)", "s")
@@ -70,6 +73,8 @@ class AgentSettings:
         require(not self.s3_endpoint or self.s3_endpoint.startswith(("http://", "https://")), "s3_endpoint",
                 f"must be an http(s):// URL, got {self.s3_endpoint!r}")
         require(bool(self.s3_bucket), "s3_bucket", "must not be empty")
+        require(self.s3_timeout_s > 0, "s3_timeout_s", f"must be > 0 (got {self.s3_timeout_s})")
+        require(self.s3_max_attempts >= 1, "s3_max_attempts", f"must be >= 1 (got {self.s3_max_attempts})")
         require(self.health_interval_s > 0, "health_interval_s", f"must be > 0 (got {self.health_interval_s})")
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")

@@ -280,3 +280,41 @@ def test_sigkill_during_save_never_leaves_an_incomplete_valid_checkpoint(local_c
     finally:
         ck.close()
         client.close()
+
+
+def test_dcp_folders_are_supported(local_cluster: ClusterFile) -> None:
+    ck = Checkpointer("job-dcp", rank=0, world_size=1, format="dcp",
+                      agent_socket=agent(local_cluster, "node-0").info["socket"], install_signal_handlers=False)
+    try:
+        ck.save(3, {"model": {"w": torch.arange(10_000, dtype=torch.float32)}, "optim": {"m": torch.ones(5)}})
+        result = ck.wait()
+        assert result is not None and result.ok and result.valid
+        folder = ssd(local_cluster, "node-0") / shard_prefix("job-dcp", 3, 0)
+        assert (folder / ".metadata").exists() and any(p.suffix == ".distcp" for p in folder.iterdir())
+        template = {"model": {"w": torch.zeros(10_000)}, "optim": {"m": torch.zeros(5)}}
+        step, loaded = ck.load_latest(template=template)  # type: ignore[misc]
+        assert step == 3 and torch.equal(loaded["model"]["w"], torch.arange(10_000, dtype=torch.float32))
+    finally:
+        ck.close()
+
+
+SIGTERM_WORKER = r"""
+import os, signal, sys, torch
+from ftd.training import Checkpointer
+ck = Checkpointer("job-term", rank=0, world_size=1, agent_socket=sys.argv[1])
+ck.save(5, {"w": torch.full((4_000_000,), 5.0)})   # returns after the snapshot; the write is in flight
+os.kill(os.getpid(), signal.SIGTERM)                # e.g. a preemption: the handler flushes, then exits
+raise SystemExit("unreachable: SIGTERM must end the process")
+"""
+
+
+def test_sigterm_flushes_the_latest_snapshot(local_cluster: ClusterFile) -> None:
+    sock = agent(local_cluster, "node-0").info["socket"]
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_WORKER, sock], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -15, proc.stderr[-2000:]
+    assert "emergency flush: step 5 persisted" in proc.stderr
+    client = CoordinatorClient(local_cluster.coordinator_endpoints)
+    infos = client.call("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job="job-term"),
+                        idempotent=True).checkpoints
+    client.close()
+    assert [(i.step, i.valid) for i in infos] == [(5, True)]

@@ -2,7 +2,8 @@
 
 Tensors are copied into staging buffers that are kept between saves (keyed by their path in the
 state dict): copying into memory that is already mapped runs at memory bandwidth (0.12 s per GiB
-here) where a fresh allocation pays a page fault per 4 KiB (1.6 s per GiB). GPU tensors go to
+here) where a fresh allocation pays a page fault per 4 KiB (1.6 s per GiB); copying with two
+threads was measured no faster (memory bandwidth is the limit). GPU tensors go to
 pinned buffers with non-blocking copies and one synchronisation at the end.
 """
 
