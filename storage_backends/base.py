@@ -28,8 +28,10 @@ as object metadata), else ``None``.
 from __future__ import annotations
 
 import builtins
+import os
 import re
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,14 +126,22 @@ def crc32c_hex(data: bytes) -> str:
 
 
 def crc32c_file(path: Path, chunk: int = 16 << 20, progress: Progress | None = None) -> str:
+    """CRC32C of a file at disk speed: the kernel is told to read ahead (``POSIX_FADV_SEQUENTIAL``)
+    and a reader thread fills one buffer while this thread checksums the other (both release the
+    GIL), so the hash hides behind the read. Measured as fast as ``dd``'s cold read here."""
     c = Crc32c()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            c.update(view[:n])
+    buffers = [bytearray(chunk), bytearray(chunk)]
+    views = [memoryview(b) for b in buffers]
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="ftd-crc-read") as reader:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        current = 0
+        pending = reader.submit(f.readinto, buffers[current])
+        while n := pending.result():
+            pending = reader.submit(f.readinto, buffers[1 - current])
+            c.update(views[current][:n])
             if progress is not None:
                 progress(n)
+            current = 1 - current
     return c.hexdigest()
 
 
