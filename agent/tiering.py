@@ -127,7 +127,7 @@ class Tiering:
         self.tiers = tiers
         self.catalog = catalog
         self.keep = keep
-        self.bucket = TokenBucket(bandwidth_bytes_s, burst=max(bandwidth_bytes_s, 8 << 20))
+        self.bucket = TokenBucket(bandwidth_bytes_s, burst=max(bandwidth_bytes_s, 1 << 20))
         self.interval_s = interval_s
         self.clock = clock
         self.sleep = sleep
