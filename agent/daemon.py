@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import threading
 import time
 from concurrent import futures
@@ -25,6 +26,7 @@ from .metrics import AgentMetrics
 from .settings import AgentSettings
 from .supervisor import Supervisor
 from .tiering import Tier, Tiering
+from .training import TrainingSupervisor, TrainSpec
 
 log = logging.getLogger("ftd.agent")
 
@@ -48,6 +50,7 @@ class AgentDaemon:
         self.tiering = Tiering(self._tiers(), self._catalog_call, settings.keep_per_tier,
                                settings.tier_bandwidth_mb_s * 1e6, settings.tiering_interval_s)
         self._tier_stats_seen: dict[str, dict[str, int]] = {}
+        self.training: TrainingSupervisor | None = None
 
     def _tiers(self) -> list[Tier]:
         from ftd.storage_backends.local import LocalBackend
@@ -98,6 +101,8 @@ class AgentDaemon:
                 progress.reported_unix_s = time.time()
             self._progress = progress
         self.metrics.training_step.set(progress.step)
+        if self.training is not None:
+            self.training.on_progress(progress.step)
 
     def progress(self) -> cluster_pb2.Progress:
         with self._progress_lock:
@@ -129,6 +134,27 @@ class AgentDaemon:
         self.metrics.epoch.set(assignment.epoch)
         self.metrics.rank.set(assignment.rank)
         set_identity(epoch=assignment.epoch, rank=assignment.rank)
+        if self.training is not None:
+            self.training.on_assignment(assignment)
+
+    def _report_hang(self, culprit: bool, reason: str, step: int) -> None:
+        from ftd.v1 import coordinator_pb2
+
+        assert self.training is not None
+        self.client.call("ReportHang", coordinator_pb2.ReportHangRequest(
+            job=self.training.spec.job, node_id=self.node_id, culprit=culprit, reason=reason, last_step=step),
+            idempotent=True)
+
+    def _job_closed(self) -> bool:
+        from ftd.v1 import coordinator_pb2
+
+        assert self.training is not None
+        try:
+            info = self.client.call("GetRound", coordinator_pb2.GetRoundRequest(job=self.training.spec.job),
+                                    idempotent=True)
+        except grpc.RpcError:
+            return False  # no round yet
+        return bool(info.status == coordinator_pb2.RoundInfo.CLOSED)
 
     def _on_connected(self, up: bool) -> None:
         self.metrics.connected.set(1 if up else 0)
@@ -162,6 +188,13 @@ class AgentDaemon:
             on_connected=self._on_connected,
         )
         set_identity(node=self.node_id)
+        if s.train_cmd:
+            self.training = TrainingSupervisor(TrainSpec(
+                job=s.train_job, cmd=tuple(shlex.split(s.train_cmd)), nproc_per_node=s.nproc_per_node,
+                min_nodes=s.min_nodes, max_nodes=s.max_nodes, max_restarts=s.max_restarts,
+                coordinators=s.coordinators, node_id=self.node_id, host=s.effective_host, socket=sock,
+                log_path=s.workdir / "train.log", hang_timeout_s=s.hang_timeout_s,
+                hang_startup_grace_s=s.hang_startup_grace_s), self.supervisor, self._report_hang, self._job_closed)
         threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()
         threading.Thread(target=self.tiering.run, args=(self._stop,), name="ftd-tiering", daemon=True).start()
         log.info("agent %s serving on %s and unix:%s (metrics %s); coordinators %s", self.node_id, self.address,
@@ -179,7 +212,9 @@ class AgentDaemon:
     def wait(self) -> None:
         watchdog = systemd.Watchdog()
         period = min(1.0, watchdog.period or 1.0)
-        while not self._stop.wait(period):
+        while not self._stop.wait(min(period, 0.5)):
+            if self.training is not None:
+                self.training.tick()
             self.supervisor.reap()
             self._publish_tier_metrics()
             watchdog.tick()
@@ -188,6 +223,8 @@ class AgentDaemon:
         log.info("stopping agent %s", self.node_id)
         systemd.notify("STOPPING=1")
         self._stop.set()
+        if self.training is not None:
+            self.training.stop("the agent is stopping")
         self.session.stop()
         self.server.stop(grace=1.0).wait(2.0)
         self.client.close()

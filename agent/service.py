@@ -15,6 +15,8 @@ import grpc
 from ftd.coordinator.client import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
 
+from .training import signal_pids
+
 if TYPE_CHECKING:
     from .daemon import AgentDaemon
 
@@ -58,13 +60,32 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         if not hmac.compare_digest(bearer_token(context).encode(), expected.encode()):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"Kill on node {self.daemon.node_id} needs 'authorization: Bearer <drill token>'")
-        killed = self.daemon.supervisor.kill_all()
+        training = self.daemon.training
+        if request.mode == agent_pb2.KillRequest.WORKER:
+            workers = training.workers() if training is not None else []
+            if request.pid:
+                workers = [p for p in workers if p == request.pid]
+            if not workers:
+                which = f" with pid {request.pid}" if request.pid else ""
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"node {self.daemon.node_id} runs no training worker{which}")
+            os.kill(workers[-1], signal.SIGKILL)
+            log.warning("drill: SIGKILLed training worker %d (%s)", workers[-1], request.reason or "no reason given")
+            return agent_pb2.KillResponse(pid=os.getpid(), killed_pids=[workers[-1]])
+        if request.mode == agent_pb2.KillRequest.HANG:
+            stopped = training.signal_workers(signal.SIGSTOP) if training is not None else []
+            if not stopped:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"node {self.daemon.node_id} runs no training worker")
+            log.warning("drill: SIGSTOPped training workers %s (%s)", stopped, request.reason or "no reason given")
+            return agent_pb2.KillResponse(pid=os.getpid(), killed_pids=stopped)
+        killed = signal_pids(training.workers(), signal.SIGKILL) if training is not None else []
+        killed += self.daemon.supervisor.kill_all()
         log.warning("drill: killing node %s now (%s); supervised pids %s SIGKILLed", self.daemon.node_id,
                     request.reason or "no reason given", killed)
         # Let the answer leave before the process disappears; SIGKILL cannot be caught or delayed.
         threading.Timer(0.05, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
         return agent_pb2.KillResponse(pid=os.getpid(), killed_pids=killed)
-
 
     # ---- checkpoints: forwarded to the coordinator ------------------------------------------------
 

@@ -42,6 +42,15 @@ class AgentSettings:
     keep_per_tier: int = setting(3, "valid checkpoints kept on each tier", "checkpoints")
     tier_bandwidth_mb_s: float = setting(200.0, "bandwidth cap of background migrations (0: none)", "MB/s")
     tiering_interval_s: float = setting(2.0, "period of the tiering pass (migrations, retention)", "s")
+    train_cmd: str = setting("", "training script and its arguments, run under torchrun with the ftd rendezvous "
+                                 "while the node holds a rank (empty: the agent launches no training)")
+    train_job: str = setting("train", "job id of the training (torchrun --rdzv-id)")
+    nproc_per_node: int = setting(1, "training processes per node (torchrun --nproc-per-node)", "processes")
+    min_nodes: int = setting(1, "the job runs only with at least this many nodes (torchrun --nnodes MIN)", "nodes")
+    max_nodes: int = setting(1024, "torchrun --nnodes MAX", "nodes")
+    max_restarts: int = setting(10, "restart budget of the whole job, counted by the coordinator", "restarts")
+    hang_timeout_s: float = setting(120.0, "no training step for this long: a hang (0: off)", "s")
+    hang_startup_grace_s: float = setting(600.0, "allowance for the first step after a (re)start", "s")
     heartbeat_interval_s: float = setting(0.5, "period of heartbeats to the coordinator", "s")
     coordinator_timeout_s: float = setting(3.0, "no answer from the leader for this long: reconnect", "s")
     reconnect_max_backoff_s: float = setting(1.0, "upper bound of the reconnect backoff", "s")
@@ -67,6 +76,13 @@ class AgentSettings:
                 f"must be > heartbeat_interval_s ({self.heartbeat_interval_s}), got {self.coordinator_timeout_s}")
         require(self.reconnect_max_backoff_s > 0, "reconnect_max_backoff_s",
                 f"must be > 0 (got {self.reconnect_max_backoff_s})")
+        require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1 (got {self.nproc_per_node})")
+        require(1 <= self.min_nodes <= self.max_nodes, "min_nodes",
+                f"must be in [1, max_nodes={self.max_nodes}], got {self.min_nodes}")
+        require(self.max_restarts >= 0, "max_restarts", f"must be >= 0 (got {self.max_restarts})")
+        require(self.hang_timeout_s >= 0, "hang_timeout_s", f"must be >= 0 (got {self.hang_timeout_s})")
+        require(bool(self.train_job) and "/" not in self.train_job and ".." not in self.train_job, "train_job",
+                f"{self.train_job!r} is not a job id")
         require(self.keep_per_tier >= 1, "keep_per_tier", f"must be >= 1 (got {self.keep_per_tier})")
         require(self.tier_bandwidth_mb_s >= 0, "tier_bandwidth_mb_s", f"must be >= 0 (got {self.tier_bandwidth_mb_s})")
         require(self.tiering_interval_s > 0, "tiering_interval_s", f"must be > 0 (got {self.tiering_interval_s})")

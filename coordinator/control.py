@@ -28,7 +28,8 @@ from ftd.v1 import coordinator_pb2
 
 from . import errors
 from .catalog import CatalogKeeper
-from .detector import Liveness, State, judge
+from .detector import Liveness, State, Verdict, judge
+from .jobs import JobKeeper
 from .metrics import CoordinatorMetrics
 from .model import Event, LeaderInfo, NodeRecord, Role, valid_node_id
 from .placement import plan
@@ -85,6 +86,7 @@ class Controller:
         self._membership = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
         self.catalog = CatalogKeeper(self)
+        self.jobs = JobKeeper(self)
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._elected = asyncio.Event()
@@ -424,6 +426,12 @@ class Controller:
                     if node is not None and not node.fenced:
                         log.info("node %s is %s: %s", node_id, verdict.state.value, verdict.reason)
             view.verdicts = dict(judgement.verdicts)
+            for node_id, why in list(view.forced_dead.items()):
+                node = view.nodes.get(node_id)
+                if node is None or node.fenced:
+                    del view.forced_dead[node_id]
+                else:
+                    view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
             step = plan(time.time(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
                         self.settings.max_fences_per_epoch)
             if step is not None:
@@ -443,10 +451,18 @@ class Controller:
                     size = len(step.world.ranks)
                     shown = list(step.world.ranks) if size <= 16 else f"of {size} ranks"
                     log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
-                    for stream in self.streams.values():
-                        stream.queue.put_nowait(_PUSH)
+                    self.push_all()
             if now - self._gauges_at >= 1.0:
                 self._publish_gauges()
+
+    def push_all(self) -> None:
+        """Sends every connected agent its assignment now (an epoch or a job round changed)."""
+        for stream in self.streams.values():
+            stream.queue.put_nowait(_PUSH)
+
+    def wake(self) -> None:
+        """Runs the reconciliation tick now rather than at the next period."""
+        self._wake.set()
 
     def _publish_gauges(self) -> None:
         view = self.view

@@ -105,6 +105,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                        context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RollbackResponse:
         return await self._unary(context, lambda: self.ctl.catalog.rollback(request))
 
+    # ---- the training job's rendezvous ------------------------------------------------------------
+
+    async def JoinRound(self, request: coordinator_pb2.JoinRoundRequest,
+                        context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RoundInfo:
+        return await self._unary(context, lambda: self.ctl.jobs.join(request))
+
+    async def GetRound(self, request: coordinator_pb2.GetRoundRequest,
+                       context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RoundInfo:
+        async def get() -> coordinator_pb2.RoundInfo:
+            return self.ctl.jobs.get(request.job)
+        return await self._unary(context, get)
+
+    async def SetRoundStore(self, request: coordinator_pb2.SetRoundStoreRequest,
+                            context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RoundInfo:
+        return await self._unary(context, lambda: self.ctl.jobs.set_store(request))
+
+    async def CloseJob(self, request: coordinator_pb2.CloseJobRequest,
+                       context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RoundInfo:
+        return await self._unary(context, lambda: self.ctl.jobs.close(request))
+
+    async def ReportHang(self, request: coordinator_pb2.ReportHangRequest,
+                         context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ReportHangResponse:
+        return await self._unary(context, lambda: self.ctl.jobs.report_hang(request))
+
     async def Heartbeat(  # type: ignore[override]  # read/write style, not an async generator
         self, request_iterator: AsyncIterator[coordinator_pb2.HeartbeatRequest],
         context: aio.ServicerContext[Any, Any],

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
+from . import rendezvous
 from .detector import Liveness, State, Verdict
 from .model import NodeRecord, Role, World
 from .store import Snapshot
@@ -51,6 +52,9 @@ class ClusterView:
     catalog: ckpt.Catalog = field(default_factory=dict)
     rollbacks: dict[str, ckpt.Rollback] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # records that did not load
+    jobs: dict[str, rendezvous.JobState] = field(default_factory=dict)
+    forced_dead: dict[str, str] = field(default_factory=dict)  # node -> why (a hung node reported itself)
+    stalls: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, round) -> nodes stalled
     _rank: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -63,7 +67,21 @@ class ClusterView:
             view.liveness[node_id] = Liveness(last_seen=now, grace_until=now + grace_s)
             view.runtime[node_id] = Runtime(incarnation=node.incarnation)
         view.catalog, view.rollbacks, view.problems = ckpt.decode_all(snap.kv)
+        for key, raw in snap.kv.items():
+            if key.startswith("jobs/"):
+                try:
+                    state = rendezvous.decode(raw)
+                    view.jobs[state.job] = state
+                except (ValueError, TypeError, KeyError) as exc:
+                    view.problems.append(f"job record {key!r} is corrupt: {exc}")
         return view
+
+    def current_job(self) -> rendezvous.JobState | None:
+        """The cluster's training job: the open one (one job per ftd cluster), else the last closed."""
+        open_jobs = sorted((j for j in self.jobs.values() if not j.closed), key=lambda j: j.job)
+        if open_jobs:
+            return open_jobs[0]
+        return max(self.jobs.values(), key=lambda j: j.round, default=None)
 
     def set_world(self, world: World, revision: int) -> None:
         self.world = world
@@ -101,6 +119,9 @@ class ClusterView:
             reason=self.world.reason,
             world_size=len(self.world.ranks),
         )
+        job = self.current_job()
+        if job is not None:
+            out.job, out.round = job.job, job.round
         if with_world and len(self.world.ranks) <= INLINE_WORLD_MAX:
             out.world.extend(self.world.ranks)
         return out
@@ -122,7 +143,18 @@ class ClusterView:
         if world.degraded:
             degraded_reason = (f"world has {len(world.ranks)} of {world.target_size} ranks: "
                                "no spare was left to replace a dead node")
+        job = self.current_job()
+        job_fields: dict[str, object] = {}
+        if job is not None:
+            message = job.closed_reason if job.closed else job.round_reason
+            if not job.closed and len(world.ranks) < job.min_nodes:
+                message = (f"waiting: the world has {len(world.ranks)} node(s) and job {job.job} needs at least "
+                           f"{job.min_nodes}")
+            job_fields = {"job": job.job, "job_round": job.round, "job_restarts": job.restarts,
+                          "job_max_restarts": job.max_restarts, "job_closed": job.closed, "job_message": message,
+                          "job_round_unix_s": job.round_unix_s}
         return coordinator_pb2.ClusterStatus(
+            **job_fields,  # type: ignore[arg-type]
             leader_id=leader_id, leader_address=leader_address, epoch=world.epoch,
             world=list(world.ranks), target_world_size=world.target_size, spares=self.spares(),
             dead=dead, suspect=suspect, degraded=world.degraded, degraded_reason=degraded_reason,

@@ -92,11 +92,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="leave the cluster running (stop it with ftctl down)")
     demo.add_argument("--json", action="store_true")
 
-    d = sub.add_parser("drill", help="fault drills against the live cluster")
-    d.add_argument("--kill-node", metavar="NODE", required=True, help="SIGKILL this node's agent and workers")
+    d = sub.add_parser("drill", help="fault drills against the live cluster, with the measured recovery")
+    which = d.add_mutually_exclusive_group(required=True)
+    which.add_argument("--kill-node", metavar="NODE", help="SIGKILL this node's training workers and agent")
+    which.add_argument("--kill-worker", metavar="NODE", help="SIGKILL one training process of this node")
+    which.add_argument("--hang-node", metavar="NODE", help="SIGSTOP this node's training workers (a hang)")
+    d.add_argument("--target-recover-s", type=float, default=60.0, help="recovery SLO [s] (default 60)")
     d.add_argument("--token", help=f"drill token (env {ENV_DRILL_TOKEN}; default: from --workdir)")
     d.add_argument("--target-detect-s", type=float, default=3.0, help="detection SLO [s] (default 3)")
-    d.add_argument("--drill-timeout", type=float, default=30.0, help="give up measuring after [s]")
+    d.add_argument("--drill-timeout", type=float, default=180.0, help="give up measuring after [s]")
     d.add_argument("--json", action="store_true")
     return p
 
@@ -135,6 +139,9 @@ def status_dict(status: Any) -> dict[str, Any]:
         "degraded": status.degraded, "degraded_reason": status.degraded_reason,
         "last_change_reason": status.last_change_reason, "last_change_unix_s": status.last_change_unix_s,
         "etcd_reachable": status.etcd_reachable,
+        "job": {"id": status.job, "round": status.job_round, "restarts": status.job_restarts,
+                "max_restarts": status.job_max_restarts, "closed": status.job_closed, "message": status.job_message,
+                "round_unix_s": status.job_round_unix_s} if status.job else None,
     }
 
 
@@ -194,8 +201,10 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         elif args.command == "checkpoints":
             return _checkpoints(client, args)
         elif args.command == "drill":
-            result = drill.kill_node(client, args.kill_node, _resolve_token(args, env), args.target_detect_s,
-                                     args.drill_timeout)
+            mode, node = (("node", args.kill_node) if args.kill_node else ("worker", args.kill_worker)
+                          if args.kill_worker else ("hang", args.hang_node))
+            result = drill.run(client, node, _resolve_token(args, env), mode, args.target_detect_s,
+                               args.target_recover_s, args.drill_timeout)
             _print_json(result.as_dict()) if args.json else print(render.drill(result.as_dict()))
             return 0 if result.passed else 1
         return 0

@@ -1,22 +1,30 @@
-"""``ftctl drill --kill-node``: kill a node for real through its agent and measure the recovery.
+"""``ftctl drill``: break a node for real through its agent and measure the whole recovery.
 
-The clock starts when the agent acknowledges the Kill (it SIGKILLs its supervised processes before
-answering and itself 50 ms after), so the detection figure is, if anything, slightly pessimistic.
-Decisions about the outcome are a pure function (:func:`verdict`) of the measurements.
+Modes: ``node`` (SIGKILL of the training workers, then of the agent), ``worker`` (SIGKILL of one
+training process), ``hang`` (SIGSTOP of the training workers; the agent stays up and its hang
+detection must find them).
+
+The clock starts when the agent acknowledges (it acts before answering; for ``node`` the agent dies
+50 ms later), so the figures are, if anything, slightly pessimistic. Training progress comes from the
+coordinator (each agent forwards its workers' ``report_step``), with the agents' wall clocks: on one
+host exact, across hosts as good as their clock sync. The outcome is a pure function of the
+measurements (:func:`verdict`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
 
 from ftd.coordinator.client import CoordinatorClient, rpc_code, rpc_details
-from ftd.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2
+from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 _GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
+MODES = {"node": agent_pb2.KillRequest.NODE, "worker": agent_pb2.KillRequest.WORKER,
+         "hang": agent_pb2.KillRequest.HANG}
 
 
 class DrillError(RuntimeError):
@@ -26,87 +34,136 @@ class DrillError(RuntimeError):
 @dataclass
 class DrillResult:
     node: str
+    mode: str
     rank: int
     detected_s: float | None
     replacement: str | None
     epoch_before: int
     epoch_after: int
     committed_s: float | None
+    last_step_before: int | None
+    resumed_step: int | None
+    lost_steps: int | None
+    recovered_s: float | None
     target_detect_s: float
+    target_recover_s: float
     verdict: str
     passed: bool
+    timeline: list[tuple[float, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def verdict(detected_s: float | None, target_s: float, was_active: bool, replacement: str | None,
-            epoch_before: int, epoch_after: int, spares_before: int) -> tuple[bool, str]:
+def verdict(mode: str, detected_s: float | None, target_s: float, was_active: bool, replacement: str | None,
+            epoch_before: int, epoch_after: int, spares_before: int, training: bool, recovered_s: float | None,
+            target_recover_s: float) -> tuple[bool, str]:
     """Pass/fail with the reason, from the measurements alone."""
     if detected_s is None:
-        return False, "fail: the node was not declared dead before the drill timed out"
+        return False, "fail: the failure was not detected before the drill timed out"
     if detected_s > target_s:
         return False, f"fail: detected after {detected_s:.2f}s, target {target_s:g}s"
-    if was_active and epoch_after <= epoch_before:
-        return False, "fail: no new epoch was committed for the dead active node"
-    if was_active and spares_before > 0 and replacement is None:
-        return False, "fail: a spare was available but none took the dead node's rank"
+    if mode != "worker" and was_active and epoch_after <= epoch_before:
+        return False, "fail: no new epoch was committed for the failed active node"
+    if mode != "worker" and was_active and spares_before > 0 and replacement is None:
+        return False, "fail: a spare was available but none took the failed node's rank"
+    if training and recovered_s is None:
+        return False, "fail: training did not complete a step in the new world before the drill timed out"
+    if training and recovered_s is not None and recovered_s > target_recover_s:
+        return False, f"fail: training recovered after {recovered_s:.1f}s, target {target_recover_s:g}s"
     detail = f"detected in {detected_s:.2f}s (target {target_s:g}s)"
-    if was_active:
+    if mode != "worker" and was_active:
         detail += f"; {replacement} took the rank" if replacement else "; no spare: the world shrank"
+    if training and recovered_s is not None:
+        detail += f"; training recovered in {recovered_s:.1f}s (target {target_recover_s:g}s)"
     return True, f"pass: {detail}"
 
 
-def kill_node(client: CoordinatorClient, node_id: str, token: str, target_s: float = 3.0,
-              timeout_s: float = 30.0, reason: str = "ftctl drill") -> DrillResult:
+def _progress(client: CoordinatorClient, world: list[str]) -> list[tuple[int, float]]:
+    return [(n.progress.step, n.progress.reported_unix_s) for n in client.nodes().nodes
+            if n.node_id in world and n.HasField("progress") and n.progress.step >= 0]
+
+
+def run(client: CoordinatorClient, node_id: str, token: str, mode: str = "node", target_detect_s: float = 3.0,
+        target_recover_s: float = 60.0, timeout_s: float = 180.0, reason: str = "ftctl drill") -> DrillResult:
+    if mode not in MODES:
+        raise DrillError(f"unknown drill mode {mode!r}; one of {', '.join(MODES)}")
     status = client.status()
     nodes = {n.node_id: n for n in client.nodes().nodes}
     if node_id not in nodes:
         raise DrillError(f"node {node_id!r} is not registered; known nodes: {', '.join(sorted(nodes)) or 'none'}")
     node = nodes[node_id]
     if node.state in _GONE:
-        raise DrillError(f"node {node_id} is already {cluster_pb2.NodeState.Name(node.state)}; nothing to kill")
+        raise DrillError(f"node {node_id} is already {cluster_pb2.NodeState.Name(node.state)}; nothing to break")
     if not node.agent_address:
         raise DrillError(f"node {node_id} registered no agent address; cannot reach its agent")
-    rank = list(status.world).index(node_id) if node_id in status.world else -1
-    epoch_before, spares_before = status.epoch, len(status.spares)
-    world_before = set(status.world)
+    world_before = list(status.world)
+    rank = world_before.index(node_id) if node_id in world_before else -1
+    epoch_before, spares_before, round_before = status.epoch, len(status.spares), status.job_round
+    job = status.job if status.job and not status.job_closed else ""
+    steps_before = _progress(client, world_before) if job else []
+    last_step_before = max((s for s, _ in steps_before), default=None)
 
-    channel = grpc.insecure_channel(node.agent_address)
-    try:
-        stub = agent_pb2_grpc.AgentStub(channel)
-        stub.Kill(agent_pb2.KillRequest(reason=reason), timeout=5.0,
-                  metadata=(("authorization", f"Bearer {token}"),))
-    except grpc.RpcError as exc:
-        code = rpc_code(exc)
-        raise DrillError(f"agent of {node_id} at {node.agent_address} refused Kill: "
-                         f"{code.name if code else '?'} {rpc_details(exc)}") from exc
-    finally:
-        channel.close()
-    killed_at = time.monotonic()
+    with grpc.insecure_channel(node.agent_address) as channel:
+        try:
+            agent_pb2_grpc.AgentStub(channel).Kill(agent_pb2.KillRequest(reason=reason, mode=MODES[mode]), timeout=5.0,
+                                                   metadata=(("authorization", f"Bearer {token}"),))
+        except grpc.RpcError as exc:
+            code = rpc_code(exc)
+            raise DrillError(f"agent of {node_id} at {node.agent_address} refused the drill: "
+                             f"{code.name if code else '?'} {rpc_details(exc)}") from exc
+    t0 = time.monotonic()
+    timeline: list[tuple[float, str]] = [(0.0, f"{mode} drill on {node_id} (rank {rank})")]
 
-    detected_s = committed_s = None
-    replacement = None
+    def mark(what: str) -> float:
+        elapsed = round(time.monotonic() - t0, 3)
+        timeline.append((elapsed, what))
+        return elapsed
+
+    deadline = t0 + timeout_s
+    detected_s = committed_s = recovered_s = None
+    replacement: str | None = None
     epoch_after = epoch_before
-    deadline = killed_at + timeout_s
+    resumed_step: int | None = None
+    round_start = 0.0
     while time.monotonic() < deadline:
+        status = client.status(deadline_s=max(0.5, deadline - time.monotonic()))
         if detected_s is None:
-            listed = {n.node_id: n for n in client.nodes(deadline_s=max(0.5, deadline - time.monotonic())).nodes}
-            if listed[node_id].state in _GONE:
-                detected_s = time.monotonic() - killed_at
-        if detected_s is not None:
-            status = client.status(deadline_s=max(0.5, deadline - time.monotonic()))
-            if rank < 0 or status.epoch > epoch_before:
-                epoch_after = status.epoch
-                committed_s = time.monotonic() - killed_at
-                if 0 <= rank < len(status.world) and status.world[rank] not in world_before:
-                    replacement = status.world[rank]  # a newcomer at the dead node's rank, not a shifted survivor
+            if mode == "worker":
+                if status.job_round > round_before:
+                    detected_s = mark(f"job {job} restarted in round {status.job_round}: {status.job_message}")
+            elif next(n.state for n in client.nodes().nodes if n.node_id == node_id) in _GONE:
+                detected_s = mark(f"{node_id} declared dead")
+        settled = mode == "worker" or rank < 0 or status.epoch > epoch_before
+        if detected_s is not None and committed_s is None and settled:
+            epoch_after = status.epoch
+            committed_s = (mark(f"epoch {status.epoch} committed: world {list(status.world)}")
+                           if status.epoch > epoch_before else detected_s)
+            if 0 <= rank < len(status.world) and status.world[rank] not in world_before:
+                replacement = status.world[rank]  # a newcomer at the rank, not a shifted survivor
+        if committed_s is not None and not job:
+            break
+        if committed_s is not None and resumed_step is None:
+            target = client.call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=job), idempotent=True)
+            resumed_step = target.checkpoint.step if target.found else -1
+        if resumed_step is not None and status.job_round > round_before and not round_start:
+            round_start = status.job_round_unix_s
+            mark(f"round {status.job_round} formed")
+        if round_start and resumed_step is not None:
+            fresh = [s for s, at in _progress(client, list(status.world)) if at > round_start and s > resumed_step]
+            if fresh:
+                recovered_s = mark(f"first training step in the new world: {min(fresh)}")
                 break
-        time.sleep(0.02)
-    ok, why = verdict(detected_s, target_s, rank >= 0, replacement, epoch_before, epoch_after, spares_before)
-    return DrillResult(node_id, rank, _round(detected_s), replacement, epoch_before, epoch_after,
-                       _round(committed_s), target_s, why, ok)
+        time.sleep(0.05)
+    lost = (last_step_before - resumed_step) if last_step_before is not None and resumed_step is not None else None
+    ok, why = verdict(mode, detected_s, target_detect_s, rank >= 0, replacement, epoch_before, epoch_after,
+                      spares_before, bool(job), recovered_s, target_recover_s)
+    return DrillResult(node_id, mode, rank, detected_s, replacement, epoch_before, epoch_after, committed_s,
+                       last_step_before, resumed_step, lost, recovered_s, target_detect_s, target_recover_s, why, ok,
+                       timeline)
 
 
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
+def kill_node(client: CoordinatorClient, node_id: str, token: str, target_s: float = 3.0,
+              timeout_s: float = 30.0, reason: str = "ftctl drill") -> DrillResult:
+    """The node drill (the control plane's original entry point)."""
+    return run(client, node_id, token, "node", target_s, timeout_s=timeout_s, reason=reason)

@@ -29,6 +29,23 @@ class ClusterError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """A training job for every agent to run under torchrun + ftd (``ftctl up --train-cmd``)."""
+
+    cmd: str
+    job: str = "train"
+    nproc_per_node: int = 1
+    min_nodes: int = 0  # 0: all the active nodes
+    max_restarts: int = 10
+    hang_timeout_s: float = 120.0
+
+    def agent_args(self, nodes: int) -> list[str]:
+        return ["--train-cmd", self.cmd, "--train-job", self.job, "--nproc-per-node", str(self.nproc_per_node),
+                "--min-nodes", str(self.min_nodes or nodes), "--max-nodes", str(max(nodes, self.min_nodes)),
+                "--max-restarts", str(self.max_restarts), "--hang-timeout-s", str(self.hang_timeout_s)]
+
+
 @dataclass
 class Proc:
     name: str
@@ -115,6 +132,7 @@ def up(
     extra_agent_args: list[str] | None = None,
     s3_endpoint: str = "",
     s3_bucket: str = "ftd-checkpoints",
+    train: TrainOptions | None = None,
 ) -> ClusterFile:
     """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks."""
     if nodes < 1 or spares < 0 or coordinators < 1:
@@ -156,7 +174,7 @@ def up(
         for i in range(nodes + spares):
             labels = {"rack": f"r{i % racks}"} if racks else {}
             started.append(spawn_agent(cluster, f"node-{i}", "active" if i < nodes else "spare", labels,
-                                       extra_agent_args))
+                                       [*(extra_agent_args or []), *(train.agent_args(nodes) if train else [])]))
         for agent, (proc, ready, log) in zip(cluster.agents, started, strict=True):
             agent.info.update(_wait_file(ready, proc, deadline, log))
         cluster.save()

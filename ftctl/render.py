@@ -31,6 +31,11 @@ def status(s: dict[str, Any]) -> str:
     if not s["etcd_reachable"]:
         lines.append("WARNING:  etcd is unreachable; membership changes are on hold")
     lines.append(f"last change: {s['last_change_reason']}")
+    job = s.get("job")
+    if job:
+        state = "CLOSED" if job["closed"] else f"round {job['round']}"
+        budget = f"{job['restarts']}/{job['max_restarts']} restarts"
+        lines.append(f"job:      {job['id']} {state}, {budget}: {job['message']}")
     return "\n".join(lines)
 
 
@@ -55,15 +60,26 @@ def events(items: Sequence[dict[str, Any]]) -> str:
 
 
 def drill(r: dict[str, Any]) -> str:
-    detected = f"{r['detected_s']:.2f}s" if r["detected_s"] is not None else "not detected"
-    committed = f"{r['committed_s']:.2f}s" if r["committed_s"] is not None else "-"
-    return "\n".join([
-        f"killed:      {r['node']} (rank {r['rank'] if r['rank'] >= 0 else 'none: spare'})",
-        f"detected:    {detected} after the kill (target {r['target_detect_s']:g}s)",
-        f"new epoch:   {r['epoch_before']} -> {r['epoch_after']} at {committed}",
+    def secs(value: float | None) -> str:
+        return f"{value:.2f}s" if value is not None else "-"
+
+    lines = [
+        f"drill:       {r['mode']} on {r['node']} (rank {r['rank'] if r['rank'] >= 0 else 'none: spare'})",
+        f"detected:    {secs(r['detected_s'])} after the fault (target {r['target_detect_s']:g}s)",
+        f"new epoch:   {r['epoch_before']} -> {r['epoch_after']} at {secs(r['committed_s'])}",
         f"replacement: {r['replacement'] or 'none'}",
-        f"verdict:     {r['verdict']}",
-    ])
+    ]
+    if r["recovered_s"] is not None or r["resumed_step"] is not None:
+        lines += [
+            f"training:    last step {r['last_step_before']}, resumed from checkpoint step {r['resumed_step']} "
+            f"({r['lost_steps']} steps redone)",
+            f"recovered:   {secs(r['recovered_s'])} from the fault to the first step in the new world "
+            f"(target {r['target_recover_s']:g}s)",
+        ]
+    lines.append("timeline:")
+    lines += [f"  {t:7.2f}s  {what}" for t, what in r["timeline"]]
+    lines.append(f"verdict:     {r['verdict']}")
+    return "\n".join(lines)
 
 
 def checkpoints(rows: Sequence[dict[str, Any]]) -> str:

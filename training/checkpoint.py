@@ -259,14 +259,17 @@ class Checkpointer:
     # ---- restore -------------------------------------------------------------------------------
 
     def load_latest(self, map_location: Any = "cpu", template: dict[str, Any] | None = None,
-                    weights_only: bool = True, attempts: int = 8) -> tuple[int, Any] | None:
+                    weights_only: bool = True, attempts: int = 8,
+                    replicated: bool = False) -> tuple[int, Any] | None:
         """``(step, state_dict)`` of the newest checkpoint this rank can verify, or ``None`` when
-        there is no valid checkpoint. ``template`` is required for the ``dcp`` format (loaded in place)."""
+        there is no valid checkpoint. ``template`` is required for the ``dcp`` format (loaded in place).
+        ``replicated=True`` (data parallel: every rank holds the same state) lets a world of another
+        size restore: rank r reads shard ``r % old_world_size``."""
         for _ in range(attempts):
             target = self.agent.restore_target(self.job)
             loaded: tuple[int, Any] | None = None
             if target.found:
-                loaded = self._load_step(target.checkpoint, map_location, template, weights_only)
+                loaded = self._load_step(target.checkpoint, map_location, template, weights_only, replicated)
             agreed = _agree(loaded[0] if loaded else (-1 if not target.found else -2))
             if agreed is None:  # ranks disagree: someone invalidated a step; everyone asks again
                 continue
@@ -278,8 +281,9 @@ class Checkpointer:
         raise RestoreError(f"job {self.job} rank {self.rank}: no checkpoint could be restored after {attempts} tries")
 
     def _load_step(self, info: Any, map_location: Any, template: dict[str, Any] | None,
-                   weights_only: bool) -> tuple[int, Any] | None:
-        shard = next((s for s in info.shards if s.rank == self.rank), None)
+                   weights_only: bool, replicated: bool = False) -> tuple[int, Any] | None:
+        want = self.rank % info.world_size if replicated and info.world_size != self.world_size else self.rank
+        shard = next((s for s in info.shards if s.rank == want), None)
         if shard is None:
             raise RestoreError(f"step {info.step} of job {self.job} has no shard for rank {self.rank} "
                                f"(world size {info.world_size}); was it saved with another world size?")
@@ -294,7 +298,7 @@ class Checkpointer:
                             tier.name, why)
                 with contextlib.suppress(AgentUnavailable, CatalogRefused):
                     self.agent.record_copy(checkpoint_pb2.RecordCopyRequest(
-                        job=self.job, step=info.step, rank=self.rank, tier=tier.name, location=tier.location,
+                        job=self.job, step=info.step, rank=shard.rank, tier=tier.name, location=tier.location,
                         present=True, corrupt_reason=why[:400]))
         reason = f"rank {self.rank}: no tier holds a verified copy ({'; '.join(problems) or 'no copy recorded'})"
         log.error("step %d of job %s is unrecoverable: %s", info.step, self.job, reason)
@@ -313,7 +317,7 @@ class Checkpointer:
 
     def _read(self, tier: TierHandle, info: Any, shard: Any, map_location: Any, template: dict[str, Any] | None,
               weights_only: bool) -> Any:
-        prefix = shard_prefix(self.job, info.step, self.rank)
+        prefix = shard_prefix(self.job, info.step, shard.rank)
         expected = {f.name: (f.size, f.crc32c) for f in shard.files}
         if isinstance(tier.backend, LocalBackend):
             directory = tier.backend.root / prefix

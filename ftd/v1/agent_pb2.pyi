@@ -10,6 +10,7 @@ from ftd.v1 import cluster_pb2 as _cluster_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -288,16 +289,43 @@ Global___ReportProgressResponse: _TypeAlias = ReportProgressResponse  # noqa: Y0
 class KillRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    class _Mode:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[KillRequest._Mode.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        NODE: KillRequest._Mode.ValueType  # 0
+        """the supervised processes, then the agent itself"""
+        WORKER: KillRequest._Mode.ValueType  # 1
+        """one training worker process (the first one found, or `pid`)"""
+        HANG: KillRequest._Mode.ValueType  # 2
+        """SIGSTOP every training worker: a hung node whose agent is fine"""
+
+    class Mode(_Mode, metaclass=_ModeEnumTypeWrapper): ...
+    NODE: KillRequest.Mode.ValueType  # 0
+    """the supervised processes, then the agent itself"""
+    WORKER: KillRequest.Mode.ValueType  # 1
+    """one training worker process (the first one found, or `pid`)"""
+    HANG: KillRequest.Mode.ValueType  # 2
+    """SIGSTOP every training worker: a hung node whose agent is fine"""
+
     REASON_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
+    mode: Global___KillRequest.Mode.ValueType
+    pid: _builtins.int
     def __init__(
         self,
         *,
         reason: _builtins.str = ...,
+        mode: Global___KillRequest.Mode.ValueType = ...,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "pid", b"pid", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -209,6 +209,8 @@ class Assignment(_message.Message):
     FENCED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     role: Global___Role.ValueType
     rank: _builtins.int
@@ -218,6 +220,10 @@ class Assignment(_message.Message):
     reason: _builtins.str
     """why the last epoch change happened"""
     world_size: _builtins.int
+    job: _builtins.str
+    """the training job of the cluster ("" before one rendezvoused)"""
+    round: _builtins.int
+    """the job's rendezvous round: it moves on every re-formation"""
     @_builtins.property
     def world(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """node ids by rank; sent on epoch changes, empty above 256 ranks"""
@@ -232,10 +238,12 @@ class Assignment(_message.Message):
         fenced: _builtins.bool = ...,
         reason: _builtins.str = ...,
         world_size: _builtins.int = ...,
+        job: _builtins.str = ...,
+        round: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fenced", b"fenced", "rank", b"rank", "reason", b"reason", "role", b"role", "world", b"world", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fenced", b"fenced", "job", b"job", "rank", b"rank", "reason", b"reason", "role", b"role", "round", b"round", "world", b"world", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -13,6 +13,7 @@ from ftd.v1 import cluster_pb2 as _cluster_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -23,6 +24,237 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class JoinRoundRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    LAST_ROUND_FIELD_NUMBER: _builtins.int
+    MIN_NODES_FIELD_NUMBER: _builtins.int
+    MAX_NODES_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    node_id: _builtins.str
+    last_round: _builtins.int
+    """the round this node last ran in, -1 for none"""
+    min_nodes: _builtins.int
+    max_nodes: _builtins.int
+    max_restarts: _builtins.int
+    """the job's restart budget (the first node to join sets it)"""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        last_round: _builtins.int = ...,
+        min_nodes: _builtins.int = ...,
+        max_nodes: _builtins.int = ...,
+        max_restarts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "last_round", b"last_round", "max_nodes", b"max_nodes", "max_restarts", b"max_restarts", "min_nodes", b"min_nodes", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinRoundRequest: _TypeAlias = JoinRoundRequest  # noqa: Y015
+
+@_typing.final
+class RoundInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Status:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[RoundInfo._Status.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STATUS_UNSPECIFIED: RoundInfo._Status.ValueType  # 0
+        READY: RoundInfo._Status.ValueType  # 1
+        """join this round with the rank below"""
+        WAIT: RoundInfo._Status.ValueType  # 2
+        """not now (a spare, or too few nodes): message says why"""
+        CLOSED: RoundInfo._Status.ValueType  # 3
+        """the job is over (finished, or its restart budget is spent): message says why"""
+
+    class Status(_Status, metaclass=_StatusEnumTypeWrapper): ...
+    STATUS_UNSPECIFIED: RoundInfo.Status.ValueType  # 0
+    READY: RoundInfo.Status.ValueType  # 1
+    """join this round with the rank below"""
+    WAIT: RoundInfo.Status.ValueType  # 2
+    """not now (a spare, or too few nodes): message says why"""
+    CLOSED: RoundInfo.Status.ValueType  # 3
+    """the job is over (finished, or its restart budget is spent): message says why"""
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    STORE_ADDRESS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    SPARE_FIELD_NUMBER: _builtins.int
+    status: Global___RoundInfo.Status.ValueType
+    job: _builtins.str
+    round: _builtins.int
+    epoch: _builtins.int
+    rank: _builtins.int
+    world_size: _builtins.int
+    store_address: _builtins.str
+    """HOST:PORT of this round's store, hosted by rank 0 ("" until it is up)"""
+    message: _builtins.str
+    restarts: _builtins.int
+    max_restarts: _builtins.int
+    spare: _builtins.bool
+    """WAIT because this node is a spare: it may wait indefinitely (a hot spare)"""
+    def __init__(
+        self,
+        *,
+        status: Global___RoundInfo.Status.ValueType = ...,
+        job: _builtins.str = ...,
+        round: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        store_address: _builtins.str = ...,
+        message: _builtins.str = ...,
+        restarts: _builtins.int = ...,
+        max_restarts: _builtins.int = ...,
+        spare: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job", b"job", "max_restarts", b"max_restarts", "message", b"message", "rank", b"rank", "restarts", b"restarts", "round", b"round", "spare", b"spare", "status", b"status", "store_address", b"store_address", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoundInfo: _TypeAlias = RoundInfo  # noqa: Y015
+
+@_typing.final
+class GetRoundRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRoundRequest: _TypeAlias = GetRoundRequest  # noqa: Y015
+
+@_typing.final
+class SetRoundStoreRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    round: _builtins.int
+    node_id: _builtins.str
+    address: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        round: _builtins.int = ...,
+        node_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "job", b"job", "node_id", b"node_id", "round", b"round"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRoundStoreRequest: _TypeAlias = SetRoundStoreRequest  # noqa: Y015
+
+@_typing.final
+class CloseJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseJobRequest: _TypeAlias = CloseJobRequest  # noqa: Y015
+
+@_typing.final
+class ReportHangRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    CULPRIT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    LAST_STEP_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    node_id: _builtins.str
+    culprit: _builtins.bool
+    """this node's workers are stopped or gone, not merely waiting"""
+    reason: _builtins.str
+    last_step: _builtins.int
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        culprit: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        last_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["culprit", b"culprit", "job", b"job", "last_step", b"last_step", "node_id", b"node_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportHangRequest: _TypeAlias = ReportHangRequest  # noqa: Y015
+
+@_typing.final
+class ReportHangResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    action: _builtins.str
+    """"fenced", "job restarted", "noted" """
+    def __init__(
+        self,
+        *,
+        action: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportHangResponse: _TypeAlias = ReportHangResponse  # noqa: Y015
 
 @_typing.final
 class RegisterRequest(_message.Message):
@@ -208,6 +440,13 @@ class ClusterStatus(_message.Message):
     LAST_CHANGE_UNIX_S_FIELD_NUMBER: _builtins.int
     LEADER_SINCE_UNIX_S_FIELD_NUMBER: _builtins.int
     ETCD_REACHABLE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    JOB_ROUND_FIELD_NUMBER: _builtins.int
+    JOB_RESTARTS_FIELD_NUMBER: _builtins.int
+    JOB_MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    JOB_CLOSED_FIELD_NUMBER: _builtins.int
+    JOB_MESSAGE_FIELD_NUMBER: _builtins.int
+    JOB_ROUND_UNIX_S_FIELD_NUMBER: _builtins.int
     leader_id: _builtins.str
     leader_address: _builtins.str
     epoch: _builtins.int
@@ -220,6 +459,16 @@ class ClusterStatus(_message.Message):
     last_change_unix_s: _builtins.float
     leader_since_unix_s: _builtins.float
     etcd_reachable: _builtins.bool
+    job: _builtins.str
+    """The training job of the cluster (empty before its first rendezvous)."""
+    job_round: _builtins.int
+    job_restarts: _builtins.int
+    job_max_restarts: _builtins.int
+    job_closed: _builtins.bool
+    job_message: _builtins.str
+    """why the round began, why the job waits, or why it closed"""
+    job_round_unix_s: _builtins.float
+    """when the current round began"""
     @_builtins.property
     def world(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """node ids by rank"""
@@ -251,10 +500,17 @@ class ClusterStatus(_message.Message):
         last_change_unix_s: _builtins.float = ...,
         leader_since_unix_s: _builtins.float = ...,
         etcd_reachable: _builtins.bool = ...,
+        job: _builtins.str = ...,
+        job_round: _builtins.int = ...,
+        job_restarts: _builtins.int = ...,
+        job_max_restarts: _builtins.int = ...,
+        job_closed: _builtins.bool = ...,
+        job_message: _builtins.str = ...,
+        job_round_unix_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "epoch", b"epoch", "etcd_reachable", b"etcd_reachable", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "epoch", b"epoch", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

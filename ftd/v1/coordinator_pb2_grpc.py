@@ -90,6 +90,31 @@ class CoordinatorStub:
                 request_serializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.FromString,
                 _registered_method=True)
+        self.JoinRound = channel.unary_unary(
+                '/ftd.v1.Coordinator/JoinRound',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.JoinRoundRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+                _registered_method=True)
+        self.GetRound = channel.unary_unary(
+                '/ftd.v1.Coordinator/GetRound',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.GetRoundRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+                _registered_method=True)
+        self.SetRoundStore = channel.unary_unary(
+                '/ftd.v1.Coordinator/SetRoundStore',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.SetRoundStoreRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+                _registered_method=True)
+        self.CloseJob = channel.unary_unary(
+                '/ftd.v1.Coordinator/CloseJob',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.CloseJobRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+                _registered_method=True)
+        self.ReportHang = channel.unary_unary(
+                '/ftd.v1.Coordinator/ReportHang',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -170,6 +195,41 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinRound(self, request, context):
+        """Rendezvous of the training job (torchrun --rdzv-backend=ftd). Ranks are the world's node ranks
+        of the current epoch; a round is one formation of the job, moving on at every epoch change and
+        every local restart (which the per-job restart budget counts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRoundStore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportHang(self, request, context):
+        """An agent saw no training progress for its hang timeout. A culprit (its workers are stopped or
+        gone) is fenced at once; when every node only waits, the job is restarted in a new round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +287,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.SerializeToString,
+            ),
+            'JoinRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinRound,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.JoinRoundRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.SerializeToString,
+            ),
+            'GetRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRound,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.GetRoundRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.SerializeToString,
+            ),
+            'SetRoundStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRoundStore,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.SetRoundStoreRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.SerializeToString,
+            ),
+            'CloseJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseJob,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.CloseJobRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.RoundInfo.SerializeToString,
+            ),
+            'ReportHang': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportHang,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +611,141 @@ class Coordinator:
             '/ftd.v1.Coordinator/Rollback',
             ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.SerializeToString,
             ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/JoinRound',
+            ftd_dot_v1_dot_coordinator__pb2.JoinRoundRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/GetRound',
+            ftd_dot_v1_dot_coordinator__pb2.GetRoundRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRoundStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/SetRoundStore',
+            ftd_dot_v1_dot_coordinator__pb2.SetRoundStoreRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/CloseJob',
+            ftd_dot_v1_dot_coordinator__pb2.CloseJobRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.RoundInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportHang(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/ReportHang',
+            ftd_dot_v1_dot_coordinator__pb2.ReportHangRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.ReportHangResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,6 +60,18 @@ class CoordinatorStub:
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.ListCheckpointsRequest, _checkpoint_pb2.ListCheckpointsResponse]
     GetRestoreTarget: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]
     Rollback: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.RollbackRequest, _checkpoint_pb2.RollbackResponse]
+    JoinRound: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRoundRequest, _coordinator_pb2.RoundInfo]
+    """Rendezvous of the training job (torchrun --rdzv-backend=ftd). Ranks are the world's node ranks
+    of the current epoch; a round is one formation of the job, moving on at every epoch change and
+    every local restart (which the per-job restart budget counts).
+    """
+    GetRound: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetRoundRequest, _coordinator_pb2.RoundInfo]
+    SetRoundStore: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetRoundStoreRequest, _coordinator_pb2.RoundInfo]
+    CloseJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CloseJobRequest, _coordinator_pb2.RoundInfo]
+    ReportHang: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportHangRequest, _coordinator_pb2.ReportHangResponse]
+    """An agent saw no training progress for its hang timeout. A culprit (its workers are stopped or
+    gone) is fenced at once; when every node only waits, the job is restarted in a new round.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -87,6 +99,18 @@ class CoordinatorAsyncStub(CoordinatorStub):
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.ListCheckpointsRequest, _checkpoint_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     GetRestoreTarget: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]  # type: ignore[assignment]
     Rollback: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.RollbackRequest, _checkpoint_pb2.RollbackResponse]  # type: ignore[assignment]
+    JoinRound: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRoundRequest, _coordinator_pb2.RoundInfo]  # type: ignore[assignment]
+    """Rendezvous of the training job (torchrun --rdzv-backend=ftd). Ranks are the world's node ranks
+    of the current epoch; a round is one formation of the job, moving on at every epoch change and
+    every local restart (which the per-job restart budget counts).
+    """
+    GetRound: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetRoundRequest, _coordinator_pb2.RoundInfo]  # type: ignore[assignment]
+    SetRoundStore: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetRoundStoreRequest, _coordinator_pb2.RoundInfo]  # type: ignore[assignment]
+    CloseJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CloseJobRequest, _coordinator_pb2.RoundInfo]  # type: ignore[assignment]
+    ReportHang: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportHangRequest, _coordinator_pb2.ReportHangResponse]  # type: ignore[assignment]
+    """An agent saw no training progress for its hang timeout. A culprit (its workers are stopped or
+    gone) is fenced at once; when every node only waits, the job is restarted in a new round.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -177,5 +201,47 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _checkpoint_pb2.RollbackRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_checkpoint_pb2.RollbackResponse, _abc.Awaitable[_checkpoint_pb2.RollbackResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def JoinRound(
+        self,
+        request: _coordinator_pb2.JoinRoundRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RoundInfo, _abc.Awaitable[_coordinator_pb2.RoundInfo]]:
+        """Rendezvous of the training job (torchrun --rdzv-backend=ftd). Ranks are the world's node ranks
+        of the current epoch; a round is one formation of the job, moving on at every epoch change and
+        every local restart (which the per-job restart budget counts).
+        """
+
+    @_abc_1.abstractmethod
+    def GetRound(
+        self,
+        request: _coordinator_pb2.GetRoundRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RoundInfo, _abc.Awaitable[_coordinator_pb2.RoundInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def SetRoundStore(
+        self,
+        request: _coordinator_pb2.SetRoundStoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RoundInfo, _abc.Awaitable[_coordinator_pb2.RoundInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def CloseJob(
+        self,
+        request: _coordinator_pb2.CloseJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RoundInfo, _abc.Awaitable[_coordinator_pb2.RoundInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def ReportHang(
+        self,
+        request: _coordinator_pb2.ReportHangRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReportHangResponse, _abc.Awaitable[_coordinator_pb2.ReportHangResponse]]:
+        """An agent saw no training progress for its hang timeout. A culprit (its workers are stopped or
+        gone) is fenced at once; when every node only waits, the job is restarted in a new round.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,127 @@
+"""The coordinator's side of the training job's rendezvous and hang handling: RPC translation plus
+guarded commits of :class:`~.rendezvous.JobState` (rules in :mod:`.rendezvous`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ftd.checkpoints.layout import BadIdentifier, check_job
+from ftd.v1 import coordinator_pb2
+
+from . import errors
+from . import rendezvous as rules
+from .model import valid_node_id
+
+if TYPE_CHECKING:
+    from .control import Controller
+
+log = logging.getLogger("ftd.coordinator.jobs")
+_STATUS = {rules.READY: coordinator_pb2.RoundInfo.READY, rules.WAIT: coordinator_pb2.RoundInfo.WAIT,
+           rules.CLOSED: coordinator_pb2.RoundInfo.CLOSED}
+
+
+def _job(job: str) -> str:
+    try:
+        return check_job(job)
+    except BadIdentifier as exc:
+        raise errors.InvalidArgument("job", str(exc).split(": ", 1)[-1]) from exc
+
+
+def _node(node_id: str) -> str:
+    if not valid_node_id(node_id):
+        raise errors.InvalidArgument("node_id", f"{node_id[:100]!r} is not a valid node id")
+    return node_id
+
+
+def round_info(state: rules.JobState, reply: rules.Reply | None = None) -> coordinator_pb2.RoundInfo:
+    status = reply.status if reply else (rules.CLOSED if state.closed else rules.READY)
+    return coordinator_pb2.RoundInfo(
+        status=_STATUS[status], job=state.job, round=state.round, epoch=max(state.epoch, 0),
+        rank=reply.rank if reply else -1, world_size=reply.world_size if reply else len(state.members),
+        store_address=state.store_address, message=reply.message if reply else state.closed_reason,
+        restarts=state.restarts, max_restarts=state.max_restarts, spare=reply.spare if reply else False)
+
+
+class JobKeeper:
+    def __init__(self, controller: Controller) -> None:
+        self.ctl = controller
+        self._lock = asyncio.Lock()
+
+    async def _save(self, before: rules.JobState | None, after: rules.JobState, event: str) -> None:
+        if before == after:
+            return
+        await self.ctl._commit("job", events=[("job", "", event)], kv_puts={rules.key(after.job): rules.encode(after)})
+        view = self.ctl.require_leader()
+        view.jobs[after.job] = after
+        if before is None or before.round != after.round or before.closed != after.closed:
+            log.warning("job %s: round %d (%s)%s", after.job, after.round, after.round_reason,
+                        f"; CLOSED: {after.closed_reason}" if after.closed else "")
+            self.ctl.push_all()
+
+    async def join(self, req: coordinator_pb2.JoinRoundRequest) -> coordinator_pb2.RoundInfo:
+        job, node = _job(req.job), _node(req.node_id)
+        async with self._lock:
+            view = self.ctl.require_leader()
+            if node not in view.nodes:
+                raise errors.NodeNotFound(node)
+            before = view.jobs.get(job)
+            state, reply = rules.join(before, job, view.world.epoch, view.world.ranks, node, req.last_round,
+                                      req.min_nodes or 1, req.max_restarts or 10)
+            await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}")
+            return round_info(state, reply)
+
+    def get(self, job: str) -> coordinator_pb2.RoundInfo:
+        state = self.ctl.require_leader().jobs.get(_job(job))
+        if state is None:
+            raise errors.CheckpointNotFound(f"job {job} has not rendezvoused yet")
+        return round_info(state)
+
+    async def set_store(self, req: coordinator_pb2.SetRoundStoreRequest) -> coordinator_pb2.RoundInfo:
+        job, node = _job(req.job), _node(req.node_id)
+        host, sep, port = req.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise errors.InvalidArgument("address", f"{req.address[:100]!r} is not HOST:PORT")
+        async with self._lock:
+            before = self.ctl.require_leader().jobs.get(job)
+            if before is None:
+                raise errors.CheckpointNotFound(f"job {job} has not rendezvoused yet")
+            after, error = rules.set_store(before, req.round, node, req.address)
+            if error:
+                raise errors.CatalogConflict(error)
+            await self._save(before, after, f"{job} round {req.round}: store at {req.address}")
+            return round_info(after)
+
+    async def close(self, req: coordinator_pb2.CloseJobRequest) -> coordinator_pb2.RoundInfo:
+        job = _job(req.job)
+        async with self._lock:
+            before = self.ctl.require_leader().jobs.get(job)
+            if before is None:
+                raise errors.CheckpointNotFound(f"job {job} has not rendezvoused yet")
+            after = rules.close(before, req.reason or "closed")
+            await self._save(before, after, f"{job} closed: {after.closed_reason}")
+            return round_info(after)
+
+    async def report_hang(self, req: coordinator_pb2.ReportHangRequest) -> coordinator_pb2.ReportHangResponse:
+        job, node = _job(req.job), _node(req.node_id)
+        async with self._lock:
+            view = self.ctl.require_leader()
+            if node not in view.nodes:
+                raise errors.NodeNotFound(node)
+            why = req.reason[:300] or "no training progress"
+            if req.culprit:
+                view.forced_dead[node] = f"hung: {why}"
+                log.warning("node %s reported hung (%s): it will be fenced and replaced", node, why)
+                self.ctl.wake()
+                return coordinator_pb2.ReportHangResponse(action="fenced")
+            state = view.jobs.get(job)
+            if state is None or state.closed:
+                return coordinator_pb2.ReportHangResponse(action="noted")
+            stalls = view.stalls.setdefault((job, state.round), set())
+            stalls.add(node)
+            if set(state.members) <= stalls:
+                after = rules.stall_restart(state, f"job stalled: no node made progress ({why})")
+                await self._save(state, after, f"{job}: every node stalled; round {after.round}")
+                return coordinator_pb2.ReportHangResponse(action="job restarted")
+            return coordinator_pb2.ReportHangResponse(action="noted")

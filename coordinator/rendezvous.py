@@ -1,0 +1,118 @@
+"""The training job's rendezvous as pure functions over a :class:`JobState` (kept in etcd, one record
+per job): which round a node joins, with which rank, and when the job is over.
+
+* A **round** is one formation of the job. It moves on when the world's epoch changed (a node died
+  and a spare took its rank, or a node joined) and when a node that already ran in the current round
+  asks again (its workers failed or it was restarted).
+* **Ranks are the world's node ranks** of the current epoch: survivors keep theirs, a promoted spare
+  takes the dead node's, so per-rank checkpoints map one to one.
+* **The restart budget is the job's**, not a node's: every round started because of a failure (a
+  node's restart, a member lost from the world) counts, so a node leaving and rejoining cannot reset
+  it (pytorch issue 147064). Past ``max_restarts`` the job is closed with the reason.
+* A node not in the world (a spare) **waits** and disturbs nobody; so does everybody while the world
+  is smaller than ``min_nodes``, with the reason given.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+READY, WAIT, CLOSED = "ready", "wait", "closed"
+
+
+@dataclass(frozen=True)
+class JobState:
+    job: str
+    round: int = 0
+    epoch: int = -1  # the world epoch the round was formed in
+    members: tuple[str, ...] = ()  # node ids by rank in this round
+    restarts: int = 0
+    max_restarts: int = 10
+    min_nodes: int = 1
+    store_address: str = ""  # the round's store, hosted by its rank 0
+    closed: bool = False
+    closed_reason: str = ""
+    round_reason: str = "first round"
+    round_unix_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: str
+    message: str
+    rank: int = -1
+    world_size: int = 0
+    spare: bool = False
+
+
+def _advance(state: JobState, epoch: int, world: Sequence[str], why: str, failure: bool) -> JobState:
+    restarts = state.restarts + (1 if failure else 0)
+    new = replace(state, round=state.round + 1, epoch=epoch, members=tuple(world), store_address="",
+                  restarts=restarts, round_reason=why, round_unix_s=time.time())
+    if restarts > state.max_restarts:
+        new = replace(new, closed=True, closed_reason=f"restart budget of job {state.job} exhausted: {restarts} "
+                                                      f"restarts > max_restarts {state.max_restarts} (last: {why})")
+    return new
+
+
+def join(state: JobState | None, job: str, epoch: int, world: Sequence[str], node_id: str, last_round: int,
+         min_nodes: int, max_restarts: int) -> tuple[JobState, Reply]:
+    """One node asks to (re)join the job. Returns the job's new state and the answer."""
+    if state is None:
+        state = JobState(job, round=0, epoch=epoch, members=tuple(world), max_restarts=max_restarts,
+                         min_nodes=max(1, min_nodes), round_unix_s=time.time())
+    if state.closed:
+        return state, Reply(CLOSED, state.closed_reason or f"job {job} is closed")
+    if node_id not in world:
+        return state, Reply(WAIT, f"node {node_id} holds no rank in epoch {epoch}: a spare waits until it is "
+                                  "promoted", spare=True)
+    if len(world) < state.min_nodes:
+        return state, Reply(WAIT, f"the world has {len(world)} node(s) and job {job} needs at least "
+                                  f"{state.min_nodes}: waiting for a spare or a returning node")
+    if epoch != state.epoch or tuple(world) != state.members:
+        lost = [n for n in state.members if n not in world]
+        why = (f"epoch {epoch}: {', '.join(lost)} left the world" if lost
+               else f"epoch {epoch}: the world changed to {len(world)} node(s)")
+        state = _advance(state, epoch, world, why, failure=bool(lost))
+    elif last_round >= state.round:
+        state = _advance(state, epoch, world, f"{node_id} restarted after round {last_round}", failure=True)
+    if state.closed:
+        return state, Reply(CLOSED, state.closed_reason)
+    return state, Reply(READY, f"round {state.round} ({state.round_reason})", world.index(node_id), len(world))
+
+
+def stall_restart(state: JobState, reason: str) -> JobState:
+    """Every node of the round waits and nobody can be blamed: start a new round (counted)."""
+    return _advance(state, state.epoch, state.members, reason, failure=True)
+
+
+def set_store(state: JobState, round_: int, node_id: str, address: str) -> tuple[JobState, str]:
+    """The round's rank 0 publishes its store; returns an error text when it may not."""
+    if round_ != state.round:
+        return state, f"round {round_} is over; the job is in round {state.round}"
+    if not state.members or state.members[0] != node_id:
+        owner = state.members[0] if state.members else "nobody"
+        return state, f"only rank 0 ({owner}) hosts the store of round {round_}"
+    return replace(state, store_address=address), ""
+
+
+def close(state: JobState, reason: str) -> JobState:
+    return state if state.closed else replace(state, closed=True, closed_reason=reason)
+
+
+def encode(state: JobState) -> bytes:
+    return json.dumps(asdict(state), sort_keys=True).encode()
+
+
+def decode(raw: bytes) -> JobState:
+    data: dict[str, Any] = json.loads(raw)
+    data["members"] = tuple(data.get("members", ()))
+    return JobState(**data)
+
+
+def key(job: str) -> str:
+    return f"jobs/{job}"
