@@ -12,6 +12,7 @@ from ftd.v1 import coordinator_pb2
 
 from . import errors
 from . import rendezvous as rules
+from .detector import State
 from .model import valid_node_id
 
 if TYPE_CHECKING:
@@ -67,8 +68,9 @@ class JobKeeper:
             if node not in view.nodes:
                 raise errors.NodeNotFound(node)
             before = view.jobs.get(job)
+            suspects = {n for n, v in view.verdicts.items() if v.state is not State.ALIVE}
             state, reply = rules.join(before, job, view.world.epoch, view.world.ranks, node, req.last_round,
-                                      req.min_nodes or 1, req.max_restarts or 10)
+                                      req.min_nodes or 1, req.max_restarts or 10, suspects)
             await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}")
             return round_info(state, reply)
 

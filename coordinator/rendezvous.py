@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -60,8 +60,12 @@ def _advance(state: JobState, epoch: int, world: Sequence[str], why: str, failur
 
 
 def join(state: JobState | None, job: str, epoch: int, world: Sequence[str], node_id: str, last_round: int,
-         min_nodes: int, max_restarts: int) -> tuple[JobState, Reply]:
-    """One node asks to (re)join the job. Returns the job's new state and the answer."""
+         min_nodes: int, max_restarts: int, suspects: Collection[str] = ()) -> tuple[JobState, Reply]:
+    """One node asks to (re)join the job. Returns the job's new state and the answer.
+
+    ``suspects``: nodes the detector currently suspects. A node whose workers failed because a peer
+    died asks again before that death is committed; it waits for the verdict instead of starting a
+    round that would count the same incident twice (once as a restart, once as a lost member)."""
     if state is None:
         state = JobState(job, round=0, epoch=epoch, members=tuple(world), max_restarts=max_restarts,
                          min_nodes=max(1, min_nodes), round_unix_s=time.time())
@@ -79,6 +83,10 @@ def join(state: JobState | None, job: str, epoch: int, world: Sequence[str], nod
                else f"epoch {epoch}: the world changed to {len(world)} node(s)")
         state = _advance(state, epoch, world, why, failure=bool(lost))
     elif last_round >= state.round:
+        suspected = sorted(set(state.members) & set(suspects))
+        if suspected:
+            return state, Reply(WAIT, f"round {state.round} failed while {', '.join(suspected)} is suspect: waiting "
+                                      "for the coordinator's verdict before the job restarts")
         state = _advance(state, epoch, world, f"{node_id} restarted after round {last_round}", failure=True)
     if state.closed:
         return state, Reply(CLOSED, state.closed_reason)
