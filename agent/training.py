@@ -167,7 +167,12 @@ class TrainingSupervisor:
             if promoted:
                 self.started_at, self.last_progress = self.clock(), None  # the startup grace starts now
             if newer and self._running() and self.in_world and not promoted:
-                self.abort_workers(f"epoch {a.epoch}: {a.reason}")
+                aborted = self.abort_workers(f"epoch {a.epoch}: {a.reason}")
+                if not aborted:
+                    # No workers: torchrun is inside its rendezvous, maybe waiting on a store barrier
+                    # for a node that just died. Start it over in the new epoch.
+                    self._stop(f"epoch {a.epoch} while torchrun was rendezvousing")
+                    self._next_launch = 0.0
 
     def on_progress(self, step: int) -> None:
         with self._lock:
@@ -207,6 +212,7 @@ class TrainingSupervisor:
         assert self.proc is not None
         pids = signal_pids([*self.workers(), self.proc.pid], signal.SIGKILL)
         self.proc.wait(timeout=10)
+        self.proc = None
         log.warning("stopped torchrun and its workers %s: %s", pids, why)
 
     def _closed(self) -> bool:
