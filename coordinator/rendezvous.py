@@ -82,6 +82,11 @@ def join(state: JobState | None, job: str, epoch: int, world: Sequence[str], nod
         why = (f"epoch {epoch}: {', '.join(lost)} left the world" if lost
                else f"epoch {epoch}: the world changed to {len(world)} node(s)")
         state = _advance(state, epoch, world, why, failure=bool(lost))
+    elif world.index(node_id) == 0 and state.store_address and last_round < state.round:
+        # The round's store host is joining again: the torchrun that hosted the store is gone, so is
+        # the store. Everybody moves to a new round with a fresh store (not a new failure).
+        state = _advance(state, epoch, world, f"{node_id}, the store host of round {state.round}, restarted",
+                         failure=False)
     elif last_round >= state.round:
         suspected = sorted(set(state.members) & set(suspects))
         if suspected:

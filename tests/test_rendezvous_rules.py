@@ -79,3 +79,11 @@ def test_hang_check() -> None:
     assert hang_check(50.0, 0.0, None, 10.0, 60.0, ["S"])[0] == "ok"  # startup grace for the first step
     assert hang_check(70.0, 0.0, None, 10.0, 60.0, ["D"])[0] == "culprit"
     assert hang_check(1e9, 0.0, 0.0, 0.0, 60.0, ["T"])[0] == "ok"  # off
+
+
+def test_a_restarted_store_host_moves_everyone_to_a_fresh_round() -> None:
+    state, _ = rdzv.join(None, "job", 2, W, "a", -1, 2, 10)
+    state, _ = rdzv.set_store(state, 0, "a", "h:1")
+    state, reply = rdzv.join(state, "job", 2, W, "a", -1, 2, 10)  # a's torchrun came back
+    assert reply.status == rdzv.READY and state.round == 1 and state.store_address == ""
+    assert state.restarts == 0 and "store host of round 0" in state.round_reason

@@ -125,7 +125,13 @@ class FtdRendezvousHandler(RendezvousHandler):
                 return None
             if current.store_address:
                 host, _, port = current.store_address.rpartition(":")
-                store = TCPStore(host, int(port), is_master=False, timeout=self.store_timeout)
+                try:  # connect briefly: a store whose host just died must not hold us for minutes
+                    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+                except (RuntimeError, OSError) as exc:
+                    log.warning("round %d store at %s unreachable (%s); asking again", info.round,
+                                current.store_address, exc)
+                    return None
+                store.set_timeout(self.store_timeout)
                 return PrefixStore(prefix, store)
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(f"rank 0 of job {self.job} round {info.round} never published its store")
