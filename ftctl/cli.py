@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--nodes", type=int, default=2)
     demo.add_argument("--spares", type=int, default=1)
     demo.add_argument("--keep", action="store_true", help="leave the cluster running (stop it with ftctl down)")
+    demo.add_argument("--s3-endpoint", default="", help="add an S3-compatible cold tier at this URL")
     demo.add_argument("--json", action="store_true")
 
     d = sub.add_parser("drill", help="fault drills against the live cluster, with the measured recovery")
@@ -172,7 +173,8 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         return 0
     if args.command == "demo":
         say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-        report = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say)
+        report = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say,
+                               s3_endpoint=args.s3_endpoint)
         if args.json:
             _print_json(report)
         return 0 if report["drill"]["passed"] else 1

@@ -152,7 +152,7 @@ def run(client: CoordinatorClient, node_id: str, token: str, mode: str = "node",
         if round_start and resumed_step is not None:
             fresh = [s for s, at in _progress(client, list(status.world)) if at > round_start and s > resumed_step]
             if fresh:
-                recovered_s = mark(f"first training step in the new world: {min(fresh)}")
+                recovered_s = mark(f"training steps again in the new world (step {max(fresh)})")
                 break
         time.sleep(0.05)
     lost = (last_step_before - resumed_step) if last_step_before is not None and resumed_step is not None else None
