@@ -1,0 +1,224 @@
+"""torch elastic's own ``DynamicRendezvousHandler`` on etcd's **v3** API: ``--rdzv-backend=etcd-v3``.
+
+torch's ``etcd`` and ``etcd-v2`` backends need the v2 API, which etcd 3.6 removed (pytorch issues
+158326, 170707). This module gives the same handler a v3 home:
+
+* :class:`EtcdV3RendezvousBackend` — the three-member ``RendezvousBackend`` (``name``,
+  ``get_state``, ``set_state``) with the fencing token being the key's ``mod_revision`` and every
+  case of ``set_state``'s contract done in one transaction (create-if-absent, or compare the
+  revision, and read back);
+* :class:`EtcdV3Store` — the c10d ``Store`` the handler hands to torch's agent, a port of torch's
+  ``EtcdStore`` to v3 (blocking ``get``/``wait`` through watches, ``add``/``compare_set`` by
+  compare-and-swap).
+
+    torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=ETCD1:2379[,ETCD2:2379] --rdzv-id=JOB --nnodes=2 ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import pyetcd
+import pyetcd.exceptions
+from pyetcd import transactions as tx
+from torch._C._distributed_c10d import Store
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+
+from ftd.coordinator.etcd_store import parse_endpoints
+
+T = TypeVar("T")
+BACKEND = "etcd-v3"
+_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def make_client(endpoints: str, timeout_s: float = 10.0) -> Any:
+    eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=0.2, opts=_CHANNEL_OPTIONS)
+           for h, p in parse_endpoints(endpoints)]
+    return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
+
+
+def _etcd(what: str, fn: Callable[[], T]) -> T:
+    """The one translation of etcd client errors into torch's rendezvous errors."""
+    try:
+        return fn()
+    except (pyetcd.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
+        raise RendezvousConnectionError(f"etcd v3 {what} failed: {exc!r}") from exc
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """The rendezvous state of one run under ``<key_prefix>/<run_id>``; token = ``mod_revision``."""
+
+    def __init__(self, client: Any, run_id: str, key_prefix: str = "/torch/elastic/rendezvous") -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client = client
+        self._key = f"{key_prefix}/{run_id}"
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        value, meta = _etcd("get_state", lambda: self._client.get(self._key))
+        if value is None:
+            return None
+        return bytes(value), int(meta.mod_revision)
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        """Exactly torch's contract:
+
+        * ``token`` matches the stored revision → the state is written; it and its new token come
+          back with ``True``;
+        * ``token`` does not match (or is not a revision at all) → nothing is written; the stored
+          state and its token come back with ``False`` (``None`` when there is no stored state);
+        * ``token`` is ``None`` → written only if no state exists; either the new state (``True``)
+          or the existing one (``False``) comes back with its token.
+        """
+        if token is None:
+            compare = [tx.Create(self._key) == 0]
+        else:
+            try:
+                revision = int(token)
+            except (TypeError, ValueError):
+                return self._current()
+            compare = [tx.Mod(self._key) == revision]
+        ok, responses = _etcd("set_state", lambda: self._client.transaction(
+            compare=compare, success=[tx.Put(self._key, state), tx.Get(self._key)], failure=[tx.Get(self._key)]))
+        kvs = responses[-1]
+        if not kvs:
+            return None  # a token for a state that no longer exists
+        value, meta = kvs[0]
+        return bytes(value), int(meta.mod_revision), bool(ok)
+
+    def _current(self) -> tuple[bytes, Token, bool] | None:
+        current = self.get_state()
+        return (current[0], current[1], False) if current is not None else None
+
+
+class EtcdV3Store(Store):
+    """A c10d ``Store`` on etcd v3 for the rendezvous agents (not a data path)."""
+
+    def __init__(self, client: Any, prefix: str, timeout: datetime.timedelta | None = None) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.client = client
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self._timeout = timeout or datetime.timedelta(seconds=300)
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout
+        super().set_timeout(timeout)
+
+    def _key(self, key: str | bytes) -> str:
+        return self.prefix + (key.decode() if isinstance(key, bytes) else key)
+
+    @staticmethod
+    def _bytes(value: str | bytes | Sequence[int]) -> bytes:
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        _etcd("set", lambda: self.client.put(self._key(key), self._bytes(value)))
+
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        return self._wait_get([key], self._timeout)[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        return self._wait_get(keys, self._timeout)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
+        ops = [tx.Put(self._key(k), self._bytes(v)) for k, v in zip(keys, values, strict=True)]
+        _etcd("multi_set", lambda: self.client.transaction(compare=[], success=ops, failure=[]))
+
+    def add(self, key: str, num: int) -> int:  # type: ignore[override]
+        """Atomic increment by compare-and-swap on the key's revision (retried on contention)."""
+        full = self._key(key)
+        while True:
+            value, meta = _etcd("add", lambda: self.client.get(full))
+            if value is None:
+                ok, _ = _etcd("add", lambda: self.client.transaction(
+                    compare=[tx.Create(full) == 0], success=[tx.Put(full, str(num))], failure=[]))
+                if ok:
+                    return num
+                continue
+            new = int(value) + num
+            ok, _ = _etcd("add", lambda: self.client.transaction(
+                compare=[tx.Mod(full) == meta.mod_revision], success=[tx.Put(full, str(new))], failure=[]))  # noqa: B023
+            if ok:
+                return new
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:  # type: ignore[override]
+        full, want, new = self._key(key), self._bytes(expected), self._bytes(desired)
+        compare = [tx.Create(full) == 0] if want == b"" else [tx.Value(full) == want]
+        ok, responses = _etcd("compare_set", lambda: self.client.transaction(
+            compare=compare, success=[tx.Put(full, new)], failure=[tx.Get(full)]))
+        if ok:
+            return new
+        kvs = responses[-1]
+        return bytes(kvs[0][0]) if kvs else want
+
+    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+        return all(_etcd("check", lambda k=k: self.client.get(self._key(k)))[0] is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:  # type: ignore[override]
+        self._wait_get(keys, timeout or self._timeout)
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        return bool(_etcd("delete_key", lambda: self.client.delete(self._key(key))))
+
+    def num_keys(self) -> int:  # type: ignore[override]
+        return len(list(_etcd("num_keys", lambda: self.client.get_prefix(self.prefix, keys_only=True))))
+
+    def _wait_get(self, keys: Sequence[str], timeout: datetime.timedelta) -> list[bytes]:
+        """Blocks until every key exists (watching the prefix), or raises ``LookupError`` like c10d."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        changed = threading.Event()
+        watch_id = _etcd("watch", lambda: self.client.add_watch_prefix_callback(self.prefix, lambda _: changed.set()))
+        try:
+            while True:
+                values = [_etcd("get", lambda k=k: self.client.get(self._key(k)))[0] for k in keys]
+                if all(v is not None for v in values):
+                    return [bytes(v) for v in values]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+                    raise LookupError(f"timed out after {timeout.total_seconds():g}s waiting for keys {missing} "
+                                      f"in etcd store {self.prefix}")
+                changed.wait(min(remaining, 1.0))
+                changed.clear()
+        finally:
+            with contextlib.suppress(Exception):  # the watch dies with the channel anyway
+                self.client.cancel_watch(watch_id)
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
+    client = make_client(params.endpoint, float(params.get_as_int("read_timeout", 60) or 60))
+    backend = EtcdV3RendezvousBackend(client, params.run_id, params.get("key_prefix", "/torch/elastic/rendezvous"))
+    store = EtcdV3Store(client, f"/torch/elastic/store/{params.run_id}")
+    return backend, store
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    try:
+        backend, store = create_backend(params)
+    except ValueError as exc:
+        raise RendezvousStateError(f"bad etcd-v3 rendezvous parameters: {exc}") from exc
+    return dynamic_rendezvous.create_handler(store, backend, params)
+
+
+def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point ``etcd-v3``."""
+    return create_handler
