@@ -130,20 +130,20 @@ class EtcdV3Store(Store):
     def _bytes(value: str | bytes | Sequence[int]) -> bytes:
         return value.encode() if isinstance(value, str) else bytes(value)
 
-    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+    def set(self, key: str, value: str | bytes) -> None:
         _etcd("set", lambda: self.client.put(self._key(key), self._bytes(value)))
 
-    def get(self, key: str) -> bytes:  # type: ignore[override]
+    def get(self, key: str) -> bytes:
         return self._wait_get([key], self._timeout)[0]
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+    def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._wait_get(keys, self._timeout)
 
-    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         ops = [tx.Put(self._key(k), self._bytes(v)) for k, v in zip(keys, values, strict=True)]
         _etcd("multi_set", lambda: self.client.transaction(compare=[], success=ops, failure=[]))
 
-    def add(self, key: str, num: int) -> int:  # type: ignore[override]
+    def add(self, key: str, num: int) -> int:
         """Atomic increment by compare-and-swap on the key's revision (retried on contention)."""
         full = self._key(key)
         while True:
@@ -160,7 +160,7 @@ class EtcdV3Store(Store):
             if ok:
                 return new
 
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:  # type: ignore[override]
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         full, want, new = self._key(key), self._bytes(expected), self._bytes(desired)
         compare = [tx.Create(full) == 0] if want == b"" else [tx.Value(full) == want]
         ok, responses = _etcd("compare_set", lambda: self.client.transaction(
@@ -170,16 +170,20 @@ class EtcdV3Store(Store):
         kvs = responses[-1]
         return bytes(kvs[0][0]) if kvs else want
 
-    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
-        return all(_etcd("check", lambda k=k: self.client.get(self._key(k)))[0] is not None for k in keys)
+    def _get(self, key: str) -> bytes | None:
+        value, _ = _etcd("get", lambda: self.client.get(self._key(key)))
+        return None if value is None else bytes(value)
 
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:  # type: ignore[override]
+    def check(self, keys: list[str]) -> bool:
+        return all(self._get(k) is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         self._wait_get(keys, timeout or self._timeout)
 
-    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+    def delete_key(self, key: str) -> bool:
         return bool(_etcd("delete_key", lambda: self.client.delete(self._key(key))))
 
-    def num_keys(self) -> int:  # type: ignore[override]
+    def num_keys(self) -> int:
         return len(list(_etcd("num_keys", lambda: self.client.get_prefix(self.prefix, keys_only=True))))
 
     def _wait_get(self, keys: Sequence[str], timeout: datetime.timedelta) -> list[bytes]:
@@ -189,9 +193,10 @@ class EtcdV3Store(Store):
         watch_id = _etcd("watch", lambda: self.client.add_watch_prefix_callback(self.prefix, lambda _: changed.set()))
         try:
             while True:
-                values = [_etcd("get", lambda k=k: self.client.get(self._key(k)))[0] for k in keys]
-                if all(v is not None for v in values):
-                    return [bytes(v) for v in values]
+                values = [self._get(k) for k in keys]
+                found = [v for v in values if v is not None]
+                if len(found) == len(values):
+                    return found
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [k for k, v in zip(keys, values, strict=True) if v is None]
