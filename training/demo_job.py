@@ -45,13 +45,50 @@ def params_crc(model: torch.nn.Module) -> str:
     return crc32c_hex(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
 
 
+class PlainCheckpoints:
+    """What a job without ftd does (the baseline of bench/recovery.py): every rank torch.saves its
+    state to a shared directory; a step counts once every rank's file is there."""
+
+    def __init__(self, root: Path, rank: int, world: int) -> None:
+        self.root, self.rank, self.world = root, rank, world
+        root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        path = self.root / f"step-{step:09d}-rank-{self.rank}.pt"
+        torch.save(state, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def load_latest(self, replicated: bool = True) -> tuple[int, Any] | None:
+        steps: dict[int, int] = {}
+        for p in self.root.glob("step-*-rank-*.pt"):
+            step = int(p.name.split("-")[1])
+            steps[step] = steps.get(step, 0) + 1
+        complete = sorted(s for s, n in steps.items() if n >= self.world)
+        if not complete:
+            return None
+        step = complete[-1]
+        return step, torch.load(self.root / f"step-{step:09d}-rank-{self.rank % self.world}.pt", weights_only=True)
+
+    def report_step(self, step: int, loss: float | None = None) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--step-time", type=float, default=0.1, help="seconds per step (paces the demo)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plain-ckpt", type=Path, default=None,
+                    help="baseline mode without ftd: per-rank torch.save under this dir (bench/recovery.py)")
     args = ap.parse_args(argv)
+    booted = time.time()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -65,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                                    "pid": os.getpid(), **record}) + "\n")
         log_file.flush()
 
+    emit(event="boot", booted=booted)
     model = model_of()
     ddp = DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ckpt = Checkpointer(os.environ.get("FTD_JOB", "demo"))
+    ckpt: Checkpointer | PlainCheckpoints = (PlainCheckpoints(args.plain_ckpt, rank, world) if args.plain_ckpt
+                                             else Checkpointer(os.environ.get("FTD_JOB", "demo")))
     start = 0
     restored = ckpt.load_latest(replicated=True)
     if restored is not None:
