@@ -13,9 +13,8 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from prometheus_client import start_http_server
 
-from ftd import systemd
+from ftd import metrics_http, systemd
 from ftd.coordinator.client import CoordinatorClient
 from ftd.logs import set_identity
 from ftd.v1 import agent_pb2, cluster_pb2
@@ -51,6 +50,8 @@ class AgentDaemon:
                                settings.tier_bandwidth_mb_s * 1e6, settings.tiering_interval_s)
         self._tier_stats_seen: dict[str, dict[str, int]] = {}
         self.training: TrainingSupervisor | None = None
+        self._saves_in_flight: dict[tuple[int, int], float] = {}
+        self._loop_at = time.monotonic()
 
     def _tiers(self) -> list[Tier]:
         from ftd.storage_backends.local import LocalBackend
@@ -77,7 +78,7 @@ class AgentDaemon:
 
     def _publish_tier_metrics(self) -> None:
         st = self.tiering.stats
-        for name, counter, values in (("bytes", self.metrics.tier_migrated_bytes, st.migrated_bytes),
+        for name, counter, values in (("bytes", self.metrics.bytes_written, st.migrated_bytes),
                                       ("migrations", self.metrics.tier_migrations, st.migrations),
                                       ("errors", self.metrics.tier_errors, st.errors),
                                       ("deleted", self.metrics.tier_deleted, st.deleted)):
@@ -99,10 +100,29 @@ class AgentDaemon:
         with self._progress_lock:
             if progress.reported_unix_s == 0:
                 progress.reported_unix_s = time.time()
+            previous = self._progress.step
             self._progress = progress
+        if progress.step > previous >= 0:
+            self.metrics.training_steps.inc(progress.step - previous)
         self.metrics.training_step.set(progress.step)
+        if progress.HasField("loss"):
+            self.metrics.training_loss.set(progress.loss)
+        if progress.HasField("grad_norm"):
+            self.metrics.grad_norm.set(progress.grad_norm)
         if self.training is not None:
             self.training.on_progress(progress.step)
+
+    def checkpoint_event(self, rank: int, event: agent_pb2.CheckpointEvent) -> None:
+        """A rank's save started, finished or failed: stall and persist histograms, bytes, saves in flight."""
+        key = (rank, event.step)
+        if event.phase == "started":
+            self.metrics.save_blocked.observe(event.blocked_s)
+            self._saves_in_flight[key] = time.monotonic()
+        elif event.phase in ("done", "failed"):
+            self._saves_in_flight.pop(key, None)
+            if event.phase == "done":
+                self.metrics.persist.observe(event.persist_s)
+                self.metrics.bytes_written.labels("ssd").inc(event.bytes)
 
     def progress(self) -> cluster_pb2.Progress:
         with self._progress_lock:
@@ -177,7 +197,7 @@ class AgentDaemon:
         self.server.start()
         if s.metrics_listen:
             mhost, _, mport = s.metrics_listen.rpartition(":")
-            server, _ = start_http_server(int(mport), addr=mhost, registry=self.metrics.registry)
+            server = metrics_http.serve(mhost, int(mport), self.metrics.registry, self._healthy, self._ready)
             self.metrics_address = f"{mhost}:{server.server_port}"
         role = cluster_pb2.ROLE_ACTIVE if s.role == "active" else cluster_pb2.ROLE_SPARE
         self.session = Session(
@@ -206,6 +226,16 @@ class AgentDaemon:
             os.replace(tmp, s.ready_file)
         systemd.notify(f"READY=1\nSTATUS=node {self.node_id} serving on {self.address}")
 
+    def _healthy(self) -> tuple[bool, str]:
+        idle = time.monotonic() - self._loop_at
+        return (idle < 10.0, f"main loop ran {idle:.1f}s ago")
+
+    def _ready(self) -> tuple[bool, str]:
+        session = getattr(self, "session", None)
+        if session is None or not session.connected:
+            return False, f"node {self.node_id} is not heartbeating to a coordinator leader"
+        return True, f"node {self.node_id} heartbeating to {session.leader_address}, epoch {session.assignment.epoch}"
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -213,6 +243,9 @@ class AgentDaemon:
         watchdog = systemd.Watchdog()
         period = min(1.0, watchdog.period or 1.0)
         while not self._stop.wait(min(period, 0.5)):
+            self._loop_at = time.monotonic()
+            in_flight = list(self._saves_in_flight.values())
+            self.metrics.save_in_progress.set(time.monotonic() - min(in_flight) if in_flight else 0.0)
             if self.training is not None:
                 self.training.tick()
             self.supervisor.reap()

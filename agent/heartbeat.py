@@ -149,12 +149,6 @@ class Session:
             self.on_heartbeat()
             if self._stop.wait(self.interval_s):
                 return
-            if time.monotonic() - self._last_answer > self.timeout_s:
-                log.warning("no answer from %s for %.1fs; reconnecting", self.client.current, self.timeout_s)
-                call = self._call
-                if call is not None:
-                    call.cancel()
-                return
 
     def _session(self) -> None:
         if self._stop.is_set():
@@ -164,6 +158,10 @@ class Session:
         self._last_answer = time.monotonic()
         call = self.client.heartbeat_stream(self._requests())
         self._call = call
+        ended = threading.Event()
+        # The watchdog must not depend on the call making progress (the request iterator is only
+        # pulled while the stream is healthy): its own thread cancels a stream that went silent.
+        threading.Thread(target=self._watch, args=(call, ended), name="ftd-heartbeat-watchdog", daemon=True).start()
         try:
             for response in call:
                 self._last_answer = time.monotonic()
@@ -180,12 +178,21 @@ class Session:
                     call.cancel()
                     raise SessionEnded("fenced")
         finally:
+            ended.set()
             self._call = None
             if self.connected:
                 self.connected = False
                 self.on_connected(False)
         if not self._stop.is_set():
             raise SessionEnded(f"heartbeat stream to {self.client.current} closed")
+
+    def _watch(self, call: Any, ended: threading.Event) -> None:
+        while not ended.wait(min(0.5, self.interval_s)):
+            silent = time.monotonic() - self._last_answer
+            if silent > self.timeout_s:
+                log.warning("no answer from %s for %.1fs; reconnecting", self.client.current, silent)
+                call.cancel()
+                return
 
     def _apply(self, assignment: cluster_pb2.Assignment) -> None:
         old = self.assignment

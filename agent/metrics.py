@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class AgentMetrics:
@@ -18,8 +18,9 @@ class AgentMetrics:
         self.disk_free = Gauge("ftd_agent_disk_free_bytes", "Free bytes on a tier directory", ["tier"], registry=r)
         self.gpu_utilization = Gauge("ftd_agent_gpu_utilization_ratio", "GPU utilisation (0..1) from NVML",
                                      ["gpu"], registry=r)
-        self.tier_migrated_bytes = Counter("ftd_agent_tier_migrated_bytes_total",
-                                           "Checkpoint bytes copied to a slower tier", ["tier"], registry=r)
+        self.bytes_written = Counter("ftd_agent_checkpoint_bytes_written_total",
+                                     "Checkpoint bytes written to a tier (saves to the SSD, copies to the others)",
+                                     ["tier"], registry=r)
         self.tier_migrations = Counter("ftd_agent_tier_migrations_total", "Shards copied to a slower tier",
                                        ["tier"], registry=r)
         self.tier_errors = Counter("ftd_agent_tier_errors_total", "Failed copies (tier unreachable, full, corrupt)",
@@ -36,5 +37,17 @@ class AgentMetrics:
         self.save_failures = Counter("ftd_agent_checkpoint_save_failures_total",
                                      "Checkpoint saves that failed on this node (e.g. disk full)", ["reason"],
                                      registry=r)
+        self.save_blocked = Histogram("ftd_agent_checkpoint_save_blocked_seconds",
+                                      "How long a save held the training loop (the snapshot)", registry=r,
+                                      buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+        self.persist = Histogram("ftd_agent_checkpoint_persist_seconds",
+                                 "Background part of a save: write, checksum, publish, commit", registry=r,
+                                 buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200))
+        self.save_in_progress = Gauge("ftd_agent_checkpoint_save_in_progress_seconds",
+                                      "Age of the oldest save in flight on this node (0: none)", registry=r)
+        self.training_steps = Counter("ftd_agent_training_steps_total", "Training steps completed", registry=r)
+        self.training_loss = Gauge("ftd_agent_training_loss", "Latest loss reported by the workers", registry=r)
+        self.grad_norm = Gauge("ftd_agent_training_grad_norm", "Latest gradient norm reported by the workers",
+                               registry=r)
         self.training_step = Gauge("ftd_agent_training_step", "Latest training step reported by the workers",
                                    registry=r)

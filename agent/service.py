@@ -39,12 +39,14 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     def ReportProgress(self, request: agent_pb2.ReportProgressRequest,
                        context: grpc.ServicerContext) -> agent_pb2.ReportProgressResponse:
+        if request.HasField("checkpoint"):
+            self.daemon.checkpoint_event(request.rank, request.checkpoint)
         if request.checkpoint_error:
             kind = request.checkpoint_error_kind or "error"
             self.daemon.metrics.save_failures.labels(kind[:40]).inc()
             log.error("checkpoint save failed on rank %d (%s): %s", request.rank, kind, request.checkpoint_error[:500])
-            if not request.HasField("progress"):
-                return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment)
+        if not request.HasField("progress") and (request.checkpoint_error or request.HasField("checkpoint")):
+            return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment)
         if not request.HasField("progress"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "progress: is required")
         if request.progress.step < 0:

@@ -75,6 +75,7 @@ class CatalogKeeper:
     def __init__(self, controller: Controller) -> None:
         self.ctl = controller
         self._lock = asyncio.Lock()
+        self._valid_at: dict[tuple[str, int], float] = {}  # when a step became valid, on this leader
 
     # The records live in the leader's view, loaded from etcd with everything else.
     def _records(self) -> dict[tuple[str, int], rules.CheckpointRecord]:
@@ -94,6 +95,26 @@ class CatalogKeeper:
             view.catalog[(record.job, record.step)] = record
         for key in removed:
             view.catalog.pop(key, None)
+
+    def publish_gauges(self) -> None:
+        """The newest valid checkpoint per job and the interval between the two newest."""
+        view = self.ctl.view
+        if view is None:
+            return
+        valid: dict[str, list[rules.CheckpointRecord]] = {}
+        for (job, _), record in view.catalog.items():
+            if record.valid:
+                valid.setdefault(job, []).append(record)
+        metrics = self.ctl.metrics
+        for job, records in valid.items():
+            records.sort(key=lambda r: r.step)
+            newest = records[-1]
+            metrics.last_valid_step.labels(job).set(newest.step)
+            became_valid = self._valid_at.get((job, newest.step), newest.created_unix_s)
+            metrics.last_valid_time.labels(job).set(became_valid)
+            if len(records) > 1:
+                before = self._valid_at.get((job, records[-2].step), records[-2].created_unix_s)
+                metrics.checkpoint_interval.labels(job).set(max(0.0, became_valid - before))
 
     async def _delete(self, records: Sequence[rules.CheckpointRecord], why: str,
                       last_puts: Mapping[str, bytes] | None = None) -> None:
@@ -125,6 +146,8 @@ class CatalogKeeper:
             await self._save("checkpoint", puts, (), ("shard_committed", "", f"{manifest.job} step {manifest.step}: "
                                                       f"{what}"), [record])
             if record.valid and (before is None or not before.valid):
+                self._valid_at[(record.job, record.step)] = time.time()
+                self.publish_gauges()
                 log.info("checkpoint %s step %d is valid (%d shards, %d bytes)", record.job, record.step,
                          record.world_size, record.total_bytes)
             return checkpoint_pb2.CommitShardResponse(checkpoint=to_info(record), message=what)

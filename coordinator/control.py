@@ -33,6 +33,7 @@ from .jobs import JobKeeper
 from .metrics import CoordinatorMetrics
 from .model import Event, LeaderInfo, NodeRecord, Role, valid_node_id
 from .placement import plan
+from .recovery import RecoveryTracker
 from .settings import CoordinatorSettings
 from .store import CommitResult, Guard, Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
 from .view import ClusterView, Runtime
@@ -87,6 +88,8 @@ class Controller:
         self._commit_lock = asyncio.Lock()
         self.catalog = CatalogKeeper(self)
         self.jobs = JobKeeper(self)
+        self.recovery = RecoveryTracker()
+        self.last_tick_at = self.clock()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._elected = asyncio.Event()
@@ -375,6 +378,14 @@ class Controller:
             runtime.health = req.health
         if req.HasField("progress"):
             runtime.progress = req.progress
+            if self.recovery.open is not None:
+                done = self.recovery.progress(now, req.progress.step)
+                if done is not None:
+                    self.metrics.recovery.observe(done.total_s)
+                    for phase, seconds in done.phases.items():
+                        self.metrics.recovery_phase.labels(phase).observe(seconds)
+                    log.warning("recovered: training steps again %.2fs after the node's last heartbeat (%s)",
+                                done.total_s, ", ".join(f"{k} {v:.2f}s" for k, v in done.phases.items()))
         self.metrics.heartbeats.inc()
 
     def ack_due(self, stream: Stream) -> bool:
@@ -443,7 +454,10 @@ class Controller:
                     return
                 for node_id in step.dead:
                     self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
+                    self.metrics.nodes_declared_dead.inc()
                     log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
+                    if step.world is not None and view.current_job() is not None:  # training was interrupted
+                        self.recovery.death_committed(self.clock(), view.verdicts[node_id].silent_s, now)
                 self._gauges_at = -1e9  # publish the change now
                 if step.world is not None:
                     self.metrics.epoch_changes.inc()
@@ -475,11 +489,16 @@ class Controller:
         self.metrics.world_size.set(len(view.world.ranks))
         self.metrics.world_target_size.set(view.world.target_size)
         self.metrics.spares.set(len(view.spares()))
+        for job in view.jobs.values():
+            self.metrics.job_round.labels(job.job).set(job.round)
+            self.metrics.job_restarts.labels(job.job).set(job.restarts)
+        self.catalog.publish_gauges()
 
     async def _tick_loop(self) -> None:
         watchdog = systemd.Watchdog()  # pinged from this loop: a wedged event loop gets restarted
         while not self._stopping.is_set():
             watchdog.tick()
+            self.last_tick_at = self.clock()
             started = time.perf_counter()
             try:
                 await self.tick()

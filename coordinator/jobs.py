@@ -56,6 +56,9 @@ class JobKeeper:
         await self.ctl._commit("job", events=[("job", "", event)], kv_puts={rules.key(after.job): rules.encode(after)})
         view = self.ctl.require_leader()
         view.jobs[after.job] = after
+        if before is not None and after.round != before.round:
+            newest = max((r.step for (j, _), r in view.catalog.items() if j == after.job and r.restorable), default=-1)
+            self.ctl.recovery.round_started(self.ctl.clock(), newest)
         if before is None or before.round != after.round or before.closed != after.closed:
             log.warning("job %s: round %d (%s)%s", after.job, after.round, after.round_reason,
                         f"; CLOSED: {after.closed_reason}" if after.closed else "")

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from grpc import aio
-from prometheus_client import start_http_server
 
-from ftd import logs, systemd
+from ftd import logs, metrics_http, systemd
 from ftd.settings import load_or_exit
 
 from .control import Controller
@@ -33,11 +32,21 @@ def write_ready_file(path: Path, data: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
-def start_metrics(listen: str, registry: object) -> str:
+def start_http(listen: str, controller: Controller, metrics: CoordinatorMetrics) -> str:
+    """/metrics, /healthz (the control loop is ticking), /readyz (serving: leader or standby)."""
     if not listen:
         return ""
     host, port = parse_hostport(listen)
-    server, _ = start_http_server(port, addr=host, registry=registry)  # type: ignore[arg-type]
+
+    def healthy() -> tuple[bool, str]:
+        idle = controller.clock() - controller.last_tick_at
+        return idle < 10.0, f"control loop ran {idle:.1f}s ago"
+
+    def ready() -> tuple[bool, str]:
+        role = "leader" if controller.is_leader else f"standby (leader: {controller.leader_address() or 'unknown'})"
+        return True, f"replica {controller.replica_id} serving as {role}"
+
+    server = metrics_http.serve(host, port, metrics.registry, healthy, ready)
     return f"{host}:{server.server_port}"
 
 
@@ -54,7 +63,7 @@ async def serve(settings: CoordinatorSettings) -> int:
     controller = Controller(store, settings, address, metrics)
     add_to_server(server, controller)
     await server.start()
-    metrics_address = start_metrics(settings.metrics_listen, metrics.registry)
+    metrics_address = start_http(settings.metrics_listen, controller, metrics)
     logs.set_identity(replica=controller.replica_id)
     log.info("serving on %s (metrics %s), etcd %s, cluster %r", address, metrics_address or "off",
              settings.etcd_endpoints, settings.cluster)

@@ -36,5 +36,23 @@ class CoordinatorMetrics:
         self.tick_seconds = Histogram("ftd_coordinator_tick_duration_seconds",
                                       "Duration of one detection + reconciliation tick", registry=r,
                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+        self.nodes_declared_dead = Counter("ftd_coordinator_nodes_declared_dead_total",
+                                           "Nodes declared dead (and fenced)", registry=r)
+        self.recovery = Histogram("ftd_coordinator_recovery_seconds",
+                                  "From a node's last heartbeat to the job's first step in the new world",
+                                  buckets=(2, 4, 6, 8, 10, 15, 20, 30, 45, 60, 120, 300, 600), registry=r)
+        self.recovery_phase = Histogram("ftd_coordinator_recovery_phase_seconds",
+                                        "Recovery split into detect, commit, rendezvous and resume", ["phase"],
+                                        buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 3, 5, 10, 20, 60, 300), registry=r)
+        self.job_round = Gauge("ftd_coordinator_job_round", "Rendezvous round of the training job", ["job"],
+                               registry=r)
+        self.job_restarts = Gauge("ftd_coordinator_job_restarts", "Restarts the job's budget has counted", ["job"],
+                                  registry=r)
+        self.last_valid_step = Gauge("ftd_coordinator_checkpoint_last_valid_step", "Newest valid checkpoint step",
+                                     ["job"], registry=r)
+        self.last_valid_time = Gauge("ftd_coordinator_checkpoint_last_valid_timestamp_seconds",
+                                     "When the newest valid checkpoint became valid (unix time)", ["job"], registry=r)
+        self.checkpoint_interval = Gauge("ftd_coordinator_checkpoint_interval_seconds",
+                                         "Seconds between the two newest valid checkpoints", ["job"], registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

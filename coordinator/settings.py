@@ -37,7 +37,7 @@ class CoordinatorSettings:
     stall_after_s: float = setting(
         1.0, "if the detector itself was not run for this long, nobody is judged until grace passes", "s")
     failover_grace_s: float = setting(
-        5.0, "after becoming leader, no node is judged dead before this much time has passed", "s")
+        8.0, "after becoming leader, a node that has not heartbeated to it yet is not judged before this", "s")
     tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
     heartbeat_ack_interval_s: float = setting(
         1.0, "answer an agent's heartbeats at most this often (epoch changes are pushed at once)", "s")

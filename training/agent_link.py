@@ -68,8 +68,11 @@ class AgentLink:
         return self._call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=job))  # type: ignore[no-any-return]
 
     def report(self, rank: int, step: int | None = None, loss: float | None = None, grad_norm: float | None = None,
-               error: str = "", error_kind: str = "") -> agent_pb2.ReportProgressResponse:
+               error: str = "", error_kind: str = "",
+               checkpoint: agent_pb2.CheckpointEvent | None = None) -> agent_pb2.ReportProgressResponse:
         request = agent_pb2.ReportProgressRequest(rank=rank, checkpoint_error=error, checkpoint_error_kind=error_kind)
+        if checkpoint is not None:
+            request.checkpoint.CopyFrom(checkpoint)
         if step is not None:
             request.progress.CopyFrom(cluster_pb2.Progress(step=step))
             if loss is not None:

@@ -51,7 +51,7 @@ from ftd.storage_backends.base import (
     crc32c_file,
 )
 from ftd.storage_backends.local import LocalBackend
-from ftd.v1 import checkpoint_pb2
+from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
 from .snapshot import Snapshotter
@@ -195,6 +195,7 @@ class Checkpointer:
     def _persist(self, step: int, snap: Any, blocked: float) -> SaveResult:
         started = time.perf_counter()
         result = SaveResult(step, ok=False, blocked_s=blocked)
+        self._event(step, "started", blocked_s=blocked)
         try:
             manifest = self._write_shard(step, snap)
             failpoint("ckpt.before_commit")
@@ -207,8 +208,14 @@ class Checkpointer:
             result.error = f"{type(exc).__name__}: {exc}"
             self._report_failure(step, result.error, "error")
         result.persist_s = time.perf_counter() - started
+        self._event(step, "done" if result.ok else "failed", persist_s=result.persist_s, bytes=result.bytes)
         self.results.append(result)
         return result
+
+    def _event(self, step: int, phase: str, **figures: Any) -> None:
+        """Tells the agent (metrics: save stall, persist duration, bytes, saves in flight)."""
+        with contextlib.suppress(AgentUnavailable, CatalogRefused):
+            self.agent.report(self.rank, checkpoint=agent_pb2.CheckpointEvent(step=step, phase=phase, **figures))
 
     def _report_failure(self, step: int, error: str, kind: str) -> None:
         self.last_error = f"save of step {step} (rank {self.rank}) failed: {error}"

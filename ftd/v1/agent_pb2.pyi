@@ -242,6 +242,7 @@ class ReportProgressRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ERROR_KIND_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     checkpoint_error: _builtins.str
     """a save that failed on this rank (e.g. no space left on the SSD tier)"""
@@ -249,6 +250,8 @@ class ReportProgressRequest(_message.Message):
     """"disk_full", "io", ..."""
     @_builtins.property
     def progress(self) -> _cluster_pb2.Progress: ...
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointEvent: ...
     def __init__(
         self,
         *,
@@ -256,14 +259,51 @@ class ReportProgressRequest(_message.Message):
         rank: _builtins.int = ...,
         checkpoint_error: _builtins.str = ...,
         checkpoint_error_kind: _builtins.str = ...,
+        checkpoint: Global___CheckpointEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_error", b"checkpoint_error", "checkpoint_error_kind", b"checkpoint_error_kind", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_error", b"checkpoint_error", "checkpoint_error_kind", b"checkpoint_error_kind", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportProgressRequest: _TypeAlias = ReportProgressRequest  # noqa: Y015
+
+@_typing.final
+class CheckpointEvent(_message.Message):
+    """A save's progress on this rank, for the metrics (stall, persist duration, bytes, saves in flight)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    BLOCKED_S_FIELD_NUMBER: _builtins.int
+    PERSIST_S_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    phase: _builtins.str
+    """"started" (the snapshot is taken), "done", "failed" """
+    blocked_s: _builtins.float
+    """how long save() held the training loop"""
+    persist_s: _builtins.float
+    """background write + checksum + publish + commit"""
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        phase: _builtins.str = ...,
+        blocked_s: _builtins.float = ...,
+        persist_s: _builtins.float = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_s", b"blocked_s", "bytes", b"bytes", "persist_s", b"persist_s", "phase", b"phase", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointEvent: _TypeAlias = CheckpointEvent  # noqa: Y015
 
 @_typing.final
 class ReportProgressResponse(_message.Message):

@@ -1,0 +1,223 @@
+"""deploy/grafana/ftd-dashboard.json: an importable dashboard whose every query names metrics ftd exports.
+
+The static tests check the structure Grafana needs (schema version, uid, the data source variable, ids,
+layout, targets). The live test starts a real local cluster and checks every metric the dashboard
+queries against what the coordinator and the agents actually serve on /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ftd.ftctl.localcluster import ClusterFile
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "ftd-dashboard.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+ROWS = ["Cluster state", "Recovery", "Checkpoints & tiers", "Training"]
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+# The metric names ftd exports (the contract the dashboard is written against).
+EXPORTED = {
+    # coordinator
+    "ftd_coordinator_nodes", "ftd_coordinator_heartbeats_received_total", "ftd_coordinator_heartbeat_streams",
+    "ftd_coordinator_detection_latency_seconds", "ftd_coordinator_epoch", "ftd_coordinator_world_size",
+    "ftd_coordinator_world_target_size", "ftd_coordinator_spares", "ftd_coordinator_epoch_changes_total",
+    "ftd_coordinator_nodes_declared_dead_total", "ftd_coordinator_is_leader", "ftd_coordinator_etcd_errors_total",
+    "ftd_coordinator_etcd_writes_total", "ftd_coordinator_etcd_commit_duration_seconds",
+    "ftd_coordinator_tick_duration_seconds", "ftd_coordinator_detector_stalls_total",
+    "ftd_coordinator_recovery_seconds", "ftd_coordinator_recovery_phase_seconds", "ftd_coordinator_job_round",
+    "ftd_coordinator_job_restarts", "ftd_coordinator_checkpoint_last_valid_step",
+    "ftd_coordinator_checkpoint_last_valid_timestamp_seconds", "ftd_coordinator_checkpoint_interval_seconds",
+    # agent
+    "ftd_agent_heartbeats_sent_total", "ftd_agent_connected", "ftd_agent_reconnects_total", "ftd_agent_epoch",
+    "ftd_agent_rank", "ftd_agent_disk_free_bytes", "ftd_agent_gpu_utilization_ratio", "ftd_agent_training_step",
+    "ftd_agent_training_steps_total", "ftd_agent_training_loss", "ftd_agent_training_grad_norm",
+    "ftd_agent_checkpoint_save_blocked_seconds", "ftd_agent_checkpoint_persist_seconds",
+    "ftd_agent_checkpoint_save_in_progress_seconds", "ftd_agent_checkpoint_bytes_written_total",
+    "ftd_agent_checkpoint_save_failures_total", "ftd_agent_checkpoint_last_valid_step",
+    "ftd_agent_tier_migrations_total", "ftd_agent_tier_errors_total", "ftd_agent_tier_retention_deleted_total",
+    "ftd_agent_tier_lag_steps", "ftd_agent_tier_pending_shards",
+}
+HISTOGRAMS = {
+    "ftd_coordinator_detection_latency_seconds", "ftd_coordinator_etcd_commit_duration_seconds",
+    "ftd_coordinator_tick_duration_seconds", "ftd_coordinator_recovery_seconds",
+    "ftd_coordinator_recovery_phase_seconds", "ftd_agent_checkpoint_save_blocked_seconds",
+    "ftd_agent_checkpoint_persist_seconds",
+}
+# Metrics the live cluster of the test may legitimately not export, and why.
+CONDITIONAL = {
+    "ftd_agent_gpu_utilization_ratio": "set only on nodes where NVML finds GPUs (labelled by gpu); the test "
+                                       "cluster's agents may have none",
+}
+# What each row must show (metric names, after stripping histogram suffixes).
+ROW_METRICS = {
+    "Cluster state": {"ftd_coordinator_is_leader", "ftd_coordinator_epoch", "ftd_coordinator_world_size",
+                      "ftd_coordinator_world_target_size", "ftd_coordinator_nodes", "ftd_coordinator_spares",
+                      "ftd_coordinator_heartbeats_received_total", "ftd_coordinator_detection_latency_seconds"},
+    "Recovery": {"ftd_coordinator_recovery_seconds", "ftd_coordinator_recovery_phase_seconds",
+                 "ftd_coordinator_epoch_changes_total", "ftd_coordinator_job_restarts", "ftd_coordinator_job_round"},
+    "Checkpoints & tiers": {"ftd_coordinator_checkpoint_last_valid_step", "ftd_agent_checkpoint_save_blocked_seconds",
+                            "ftd_agent_checkpoint_persist_seconds", "ftd_agent_checkpoint_bytes_written_total",
+                            "ftd_agent_tier_lag_steps", "ftd_agent_tier_pending_shards",
+                            "ftd_agent_checkpoint_save_failures_total", "ftd_agent_tier_retention_deleted_total"},
+    "Training": {"ftd_agent_training_steps_total", "ftd_agent_training_loss", "ftd_agent_training_grad_norm",
+                 "ftd_agent_gpu_utilization_ratio"},
+}
+METRIC_RE = re.compile(r"\bftd_[A-Za-z0-9_:]*")
+RANGE_FUNCTION_RE = re.compile(r"\b(rate|irate|increase)\(\s*(ftd_[A-Za-z0-9_:]*)")
+QUANTILE_RE = re.compile(r"histogram_quantile\(")
+
+
+def _dashboard() -> dict[str, Any]:
+    return dict(json.loads(DASHBOARD.read_text()))
+
+
+def _all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Top-level panels and those nested in collapsed rows."""
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+def _graph_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in _all_panels(dashboard) if p["type"] != "row"]
+
+
+def _base(name: str) -> str:
+    """A metric name as exported: ``x_bucket`` of histogram ``x`` is ``x``."""
+    for suffix in HISTOGRAM_SUFFIXES:
+        if name.endswith(suffix) and name.removesuffix(suffix) in HISTOGRAMS:
+            return name.removesuffix(suffix)
+    return name
+
+
+def _metrics(exprs: list[str]) -> set[str]:
+    return {_base(m) for expr in exprs for m in METRIC_RE.findall(expr)}
+
+
+def _exprs(panel: dict[str, Any]) -> list[str]:
+    return [str(t.get("expr", "")) for t in panel.get("targets", [])]
+
+
+def _dashboard_metrics() -> set[str]:
+    return _metrics([e for p in _graph_panels(_dashboard()) for e in _exprs(p)])
+
+
+# ---- structure -------------------------------------------------------------------------------------------
+
+
+def test_dashboard_header() -> None:
+    dashboard = _dashboard()
+    assert dashboard["schemaVersion"] >= 36
+    assert dashboard["uid"] == "ftd-overview"
+    assert dashboard["title"].strip()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+
+
+def test_panels_have_unique_ids_and_a_place_on_the_grid() -> None:
+    panels = _all_panels(_dashboard())
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    boxes = []
+    for p in panels:
+        grid = p["gridPos"]
+        assert all(isinstance(grid[k], int) for k in ("h", "w", "x", "y")), p["title"]
+        assert grid["w"] > 0 and grid["h"] > 0 and 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, p["title"]
+        boxes.append((p["title"], grid))
+    for i, (title_a, a) in enumerate(boxes):
+        for title_b, b in boxes[i + 1:]:
+            overlap = (a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
+                       and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
+            assert not overlap, f"panels {title_a!r} and {title_b!r} overlap"
+
+
+def test_every_panel_queries_prometheus_through_the_datasource_variable() -> None:
+    panels = _graph_panels(_dashboard())
+    assert len(panels) >= 20
+    for p in panels:
+        assert p["datasource"] == DATASOURCE, p["title"]
+        targets = p.get("targets", [])
+        assert targets, f"{p['title']}: no target"
+        for t in targets:
+            assert str(t.get("expr", "")).strip(), f"{p['title']}: target {t.get('refId')} has no expr"
+            assert t.get("datasource", DATASOURCE) == DATASOURCE, p["title"]
+        assert len({t["refId"] for t in targets}) == len(targets), f"{p['title']}: duplicate refIds"
+
+
+def test_rows_in_order_and_what_each_shows() -> None:
+    dashboard = _dashboard()
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    assert [r["title"] for r in rows] == ROWS
+    # A panel belongs to the last row above it (or to the row that nests it when collapsed).
+    starts = [(r["gridPos"]["y"], r["title"]) for r in rows]
+    shown: dict[str, set[str]] = {title: set() for title in ROWS}
+    for row in rows:
+        for p in row.get("panels", []):
+            shown[row["title"]] |= _metrics(_exprs(p))
+    for p in dashboard["panels"]:
+        if p["type"] == "row":
+            continue
+        above = [title for y, title in starts if y < p["gridPos"]["y"]]
+        assert above, f"panel {p['title']!r} is above the first row"
+        shown[above[-1]] |= _metrics(_exprs(p))
+    for title, needed in ROW_METRICS.items():
+        assert not needed - shown[title], f"row {title!r} lacks {sorted(needed - shown[title])}"
+
+
+def test_queries_use_only_exported_metrics() -> None:
+    used = _dashboard_metrics()
+    assert not used - EXPORTED, f"not exported by ftd: {sorted(used - EXPORTED)}"
+    assert set(CONDITIONAL) <= used  # keep the conditional list to names the dashboard really uses
+
+
+def test_queries_are_well_formed() -> None:
+    for p in _graph_panels(_dashboard()):
+        for expr in _exprs(p):
+            for open_, close in ("()", "[]", "{}"):
+                assert expr.count(open_) == expr.count(close), f"{p['title']}: unbalanced {open_}{close} in {expr}"
+            # rate()/increase() only over counters and histogram series, never over a gauge.
+            for _, name in RANGE_FUNCTION_RE.findall(expr):
+                assert name.endswith(("_total", *HISTOGRAM_SUFFIXES)), f"{p['title']}: rate of gauge {name}"
+            # histogram_quantile() needs the _bucket series, aggregated keeping `le`.
+            if QUANTILE_RE.search(expr):
+                assert "_bucket[" in expr and re.search(r"by \([^)]*\ble\b", expr), f"{p['title']}: {expr}"
+
+
+# ---- the live check --------------------------------------------------------------------------------------
+
+
+def _scrape(address: str) -> set[str]:
+    """Every metric name a /metrics page declares: family names (with a counter's ``_total``) and sample names."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+@pytest.mark.etcd
+def test_every_dashboard_metric_is_exported_by_a_live_cluster(local_cluster: ClusterFile) -> None:
+    coordinator = _scrape(local_cluster.coordinators[0].info["metrics"])
+    agents: set[str] = set()
+    for agent in local_cluster.agents:
+        agents |= _scrape(agent.info["metrics"])
+    used = _dashboard_metrics()
+    assert {m for m in used if m.startswith("ftd_coordinator_")} and {m for m in used if m.startswith("ftd_agent_")}
+    missing = sorted(m for m in used - set(CONDITIONAL)
+                     if m not in (coordinator if m.startswith("ftd_coordinator_") else agents))
+    assert not missing, f"the dashboard queries metrics the live daemons do not export: {missing}"
