@@ -192,7 +192,9 @@ class AgentDaemon:
         service.add_to_server(self.server, self)
         host, _, port = s.listen.rpartition(":")
         bound = self.server.add_insecure_port(f"{host}:{port}")
-        self.address = f"{host.strip('[]')}:{bound}"
+        # Registered as the address others dial: a wildcard listen address means "reach me at my host".
+        reach = s.effective_host if host.strip("[]") in ("0.0.0.0", "::", "") else host.strip("[]")
+        self.address = f"{reach}:{bound}"
         self.server.add_insecure_port(f"unix:{sock}")
         self.server.start()
         if s.metrics_listen:

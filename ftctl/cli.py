@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from google.protobuf import json_format
 from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable, rpc_code, rpc_details
 from ftd.v1 import cluster_pb2
 
-from . import checkpoints, demo, drill, localcluster, render
+from . import checkpoints, demo, drill, localcluster, render, report
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
 ENV_DRILL_TOKEN = "FTD_DRILL_TOKEN"
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--spares", type=int, default=1)
     demo.add_argument("--keep", action="store_true", help="leave the cluster running (stop it with ftctl down)")
     demo.add_argument("--s3-endpoint", default="", help="add an S3-compatible cold tier at this URL")
+    demo.add_argument("--report", type=Path, default=Path(tempfile.gettempdir()) / "ftd-demo-report.html",
+                      help="where to write the drill's HTML report (default: %(default)s)")
     demo.add_argument("--json", action="store_true")
 
     d = sub.add_parser("drill", help="fault drills against the live cluster, with the measured recovery")
@@ -99,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--kill-worker", metavar="NODE", help="SIGKILL one training process of this node")
     which.add_argument("--hang-node", metavar="NODE", help="SIGSTOP this node's training workers (a hang)")
     d.add_argument("--target-recover-s", type=float, default=60.0, help="recovery SLO [s] (default 60)")
+    d.add_argument("--report", type=Path, help="also write an HTML report with a timeline chart to this file")
     d.add_argument("--token", help=f"drill token (env {ENV_DRILL_TOKEN}; default: from --workdir)")
     d.add_argument("--target-detect-s", type=float, default=3.0, help="detection SLO [s] (default 3)")
     d.add_argument("--drill-timeout", type=float, default=180.0, help="give up measuring after [s]")
@@ -173,11 +177,13 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         return 0
     if args.command == "demo":
         say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-        report = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say,
-                               s3_endpoint=args.s3_endpoint)
+        outcome = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say,
+                                s3_endpoint=args.s3_endpoint)
+        report.write(outcome["drill"], args.report)
+        say(f"drill report: {args.report}")
         if args.json:
-            _print_json(report)
-        return 0 if report["drill"]["passed"] else 1
+            _print_json({**outcome, "report": str(args.report)})
+        return 0 if outcome["drill"]["passed"] else 1
     if args.command == "down":
         if args.workdir is None:
             raise UsageError("ftctl down needs --workdir DIR")
@@ -208,6 +214,9 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             result = drill.run(client, node, _resolve_token(args, env), mode, args.target_detect_s,
                                args.target_recover_s, args.drill_timeout)
             _print_json(result.as_dict()) if args.json else print(render.drill(result.as_dict()))
+            if args.report:
+                report.write(result.as_dict(), args.report)
+                print(f"report: {args.report}", file=sys.stderr)
             return 0 if result.passed else 1
         return 0
     finally:

@@ -133,7 +133,7 @@ def test_panels_have_unique_ids_and_a_place_on_the_grid() -> None:
     for p in panels:
         grid = p["gridPos"]
         assert all(isinstance(grid[k], int) for k in ("h", "w", "x", "y")), p["title"]
-        assert grid["w"] > 0 and grid["h"] > 0 and 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, p["title"]
+        assert grid["w"] > 0 and grid["h"] > 0 and grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, p["title"]
         boxes.append((p["title"], grid))
     for i, (title_a, a) in enumerate(boxes):
         for title_b, b in boxes[i + 1:]:

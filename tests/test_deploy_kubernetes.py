@@ -267,7 +267,7 @@ def test_agent_identity_comes_from_the_node(tmp_path: Path) -> None:
     assert settings.effective_host == FIELD_VALUES["status.hostIP"]
     # The registered gRPC address (drills dial it) is the pod IP, on the declared container port.
     assert settings.listen == f"{FIELD_VALUES['status.podIP']}:{_container_port(container, 'grpc')}"
-    assert settings.drill_token
+    assert settings.drill_token == "", "drills are off until an operator sets a secret token"
     assert settings.train_cmd == ""  # the manifest launches no training; see the comment in agent.yaml
     service = _find("Service", "ftd-coordinator")
     grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")

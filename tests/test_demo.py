@@ -1,0 +1,48 @@
+"""The README's main command, end to end: ``ftctl demo`` trains through torchrun + ftd, kills a node for
+real, recovers, and writes a drill report that opens in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ftd.ftctl.cli import main
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "chromium not found: apt-get install -y chromium (CI installs it)"
+    return path
+
+
+def test_demo_recovers_and_writes_a_report_chromium_renders(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "report.html"
+    rc = main(["demo", "--json", "--report", str(report), "--workdir", str(tmp_path / "demo")])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out["drill"]["verdict"]
+    drill = out["drill"]
+    assert drill["passed"] and drill["replacement"] == "node-2" and drill["recovered_s"] < 60
+    assert drill["resumed_step"] >= 10 and drill["epoch_after"] == drill["epoch_before"] + 1
+    assert out["checkpoints"] and any(c["valid"] for c in out["checkpoints"])
+    html = report.read_text()
+    assert drill["verdict"] in html and "<svg" in html
+
+    browser = chromium()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--enable-logging=stderr"]
+    dom = subprocess.run([browser, *flags, "--dump-dom", report.as_uri()], capture_output=True, text=True,
+                         timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'id="verdict"' in dom.stdout and "<circle" in dom.stdout and drill["node"] in dom.stdout
+    assert "CONSOLE(" not in dom.stderr, "the page logged to the console"
+    shot = tmp_path / "report.png"
+    subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1000,900", report.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, "the screenshot is empty"
