@@ -25,6 +25,19 @@ if ! command -v etcd >/dev/null 2>&1 && [[ ! -x /usr/bin/etcd ]]; then
   apt_install etcd-server
 fi
 
+# The test suite checks deployment artefacts with the ecosystem's own tools: promtool (Debian's
+# prometheus package), systemd-analyze (systemd) and headless Chromium (the drill report).
+if [[ -n "$extras" ]]; then
+  need=()
+  command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+  command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  if (( ${#need[@]} )); then
+    echo "install.sh: installing test tools: ${need[*]}"
+    apt_install "${need[@]}"
+  fi
+fi
+
 if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv 2>/dev/null || { apt_install python3-venv && python3 -m venv .venv; }
 fi

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from rich.console import Console
 
 from ftd.coordinator.client import CoordinatorClient, rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
@@ -102,7 +103,27 @@ def bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {100 * frac:5.1f}% {done / 1e9:.2f}/{total / 1e9:.2f} GB"
 
 
+class VerifyProgress:
+    """A rich progress bar on stderr while copies are re-read (only on a terminal)."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                  TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self._task: Any = None
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self._task is None:
+            self._progress.start()
+            self._task = self._progress.add_task("verifying", total=total)
+        self._progress.update(self._task, completed=done, description=f"verifying {label}")
+        if done >= total:
+            self._progress.stop()
+
+
 def print_progress(done: int, total: int, label: str) -> None:
+    """Plain single-line progress on stderr (used when stderr is no terminal: nothing is printed)."""
     if sys.stderr.isatty():
         print(f"\r{bar(done, total)} {label[:40]:<40}", end="", file=sys.stderr, flush=True)
         if done >= total:

@@ -243,7 +243,8 @@ def _checkpoints(client: CoordinatorClient, args: argparse.Namespace) -> int:
             print(f"job {job}: step {result['restore_target']} is the restore target of the next (re)start; "
                   f"removed newer steps: {result['removed_steps'] or 'none'}")
         return 0
-    rows = checkpoints.verify(client, job, args.step, None if args.json else checkpoints.print_progress)
+    progress = checkpoints.VerifyProgress() if (not args.json and sys.stderr.isatty()) else None
+    rows = checkpoints.verify(client, job, args.step, progress)
     bad = [r for r in rows if not r["ok"]]
     if args.json:
         _print_json({"job": job, "step": args.step, "ok": not bad, "copies": rows})

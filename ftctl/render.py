@@ -1,18 +1,37 @@
-"""Human-readable output of ftctl's read commands (``--json`` bypasses this module)."""
+"""Human-readable output of ftctl's read commands (``--json`` bypasses this module). On a terminal
+tables are drawn with rich; piped, they are plain aligned text that ``grep``/``awk`` can read."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    if sys.stdout.isatty():
+        return _rich_table(headers, rows)
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _rich_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    t = Table(*headers, header_style="bold")
+    for row in rows:
+        cells = ["" if c is None else str(c) for c in row]
+        style = "red" if any(c in ("dead", "fenced", "MISMATCH") or c.startswith("invalid") for c in cells) else None
+        t.add_row(*cells, style=style)
+    console = Console(width=max(100, Console().width))
+    with console.capture() as capture:
+        console.print(t)
+    return capture.get().rstrip()
 
 
 def status(s: dict[str, Any]) -> str:
