@@ -1,0 +1,230 @@
+"""deploy/prometheus: the alerting rules pass promtool's checks and unit tests, are documented, keep the
+seed thresholds, and reference only metrics ftd exports.
+
+Needs promtool (Debian: `apt-get install -y prometheus`); without it these tests fail, they never skip.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = Path("deploy/prometheus/ftd-alerts.yml")
+RULE_TESTS = Path("deploy/prometheus/ftd-alerts.test.yml")
+
+# Every metric ftd exports (histograms also as _bucket, _sum and _count).
+EXPORTED_METRICS = {
+    # coordinator (meaningful on the leader only)
+    "ftd_coordinator_nodes",
+    "ftd_coordinator_heartbeats_received_total",
+    "ftd_coordinator_detection_latency_seconds",
+    "ftd_coordinator_epoch",
+    "ftd_coordinator_world_size",
+    "ftd_coordinator_world_target_size",
+    "ftd_coordinator_spares",
+    "ftd_coordinator_epoch_changes_total",
+    "ftd_coordinator_nodes_declared_dead_total",
+    "ftd_coordinator_is_leader",
+    "ftd_coordinator_etcd_errors_total",
+    "ftd_coordinator_recovery_seconds",
+    "ftd_coordinator_recovery_phase_seconds",
+    "ftd_coordinator_job_round",
+    "ftd_coordinator_job_restarts",
+    "ftd_coordinator_checkpoint_last_valid_step",
+    "ftd_coordinator_checkpoint_last_valid_timestamp_seconds",
+    "ftd_coordinator_checkpoint_interval_seconds",
+    # agent (one per node)
+    "ftd_agent_connected",
+    "ftd_agent_gpu_utilization_ratio",
+    "ftd_agent_training_step",
+    "ftd_agent_training_steps_total",
+    "ftd_agent_training_loss",
+    "ftd_agent_training_grad_norm",
+    "ftd_agent_checkpoint_save_in_progress_seconds",
+    "ftd_agent_checkpoint_persist_seconds",
+    "ftd_agent_checkpoint_save_failures_total",
+    "ftd_agent_tier_lag_steps",
+    "ftd_agent_tier_errors_total",
+    "ftd_agent_disk_free_bytes",
+}
+HISTOGRAMS = {
+    "ftd_coordinator_detection_latency_seconds",
+    "ftd_coordinator_recovery_seconds",
+    "ftd_coordinator_recovery_phase_seconds",
+    "ftd_agent_checkpoint_persist_seconds",
+}
+
+EXPECTED_ALERTS = {
+    "FtdNoLeader",
+    "FtdEtcdErrors",
+    "FtdNodeDead",
+    "FtdNoSpareLeft",
+    "FtdWorldDegraded",
+    "FtdCheckpointSlow",
+    "FtdCheckpointSaveFailing",
+    "FtdNoRecentValidCheckpoint",
+    "FtdColdTierLagging",
+    "FtdGpuUtilizationLow",
+    "FtdGradNormJump",
+}
+
+# The seed thresholds, exactly: GPU utilisation < 50 %, grad-norm change > 30 %, a save > 10 minutes.
+SEED_THRESHOLDS = {
+    "FtdGpuUtilizationLow": r"<\s*0\.5(?![\d.])",
+    "FtdGradNormJump": r">\s*0\.3(?![\d.])",
+    "FtdCheckpointSlow": r"ftd_agent_checkpoint_save_in_progress_seconds\s*>\s*600(?![\d.])",
+}
+
+PROMTOOL_MISSING = ("promtool is not installed: install it with `apt-get install -y prometheus` "
+                    "(Debian's prometheus package ships promtool; CI installs it)")
+
+
+def find_promtool() -> str:
+    """promtool's path; fails the calling test (a failure, not a setup error or a skip) when it is missing."""
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail(PROMTOOL_MISSING, pytrace=False)
+    return path
+
+
+def run_promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([find_promtool(), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load((ROOT / path).read_text())
+
+
+def alerting_rules() -> list[dict[str, Any]]:
+    rules = [rule for group in load_yaml(RULES)["groups"] for rule in group["rules"]]
+    assert all("alert" in rule for rule in rules), "ftd-alerts.yml holds alerting rules only"
+    return rules
+
+
+def rule(name: str) -> dict[str, Any]:
+    (found,) = [r for r in alerting_rules() if r["alert"] == name]
+    return found
+
+
+# ---- promtool ------------------------------------------------------------------------------------
+
+
+def test_promtool_check_rules() -> None:
+    result = run_promtool("check", "rules", RULES)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "SUCCESS" in output
+    assert f"{len(EXPECTED_ALERTS)} rules found" in output, output
+
+
+def test_promtool_unit_tests() -> None:
+    result = run_promtool("test", "rules", RULE_TESTS)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "SUCCESS" in output
+    assert "FAILED" not in output
+
+
+def test_promtool_rejects_a_broken_rules_file(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yml"
+    broken.write_text(
+        "groups:\n"
+        "  - name: broken\n"
+        "    rules:\n"
+        "      - alert: Broken\n"
+        "        expr: rate(ftd_agent_connected[5m]\n"  # unbalanced parenthesis
+        "        for: 1m\n")
+    result = run_promtool("check", "rules", broken)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "SUCCESS" not in result.stdout
+
+
+def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
+    """A wrong expectation against the real rules fails: the SUCCESS above is not vacuous."""
+    wrong = {
+        "rule_files": [str(ROOT / RULES)],
+        "evaluation_interval": "15s",
+        "tests": [{
+            "interval": "15s",
+            "input_series": [{"series": 'ftd_coordinator_is_leader{instance="coord-1:9401"}', "values": "1x20"}],
+            # A leader is present all along, so FtdNoLeader must not fire; expect that it does.
+            "alert_rule_test": [{"eval_time": "4m", "alertname": "FtdNoLeader",
+                                 "exp_alerts": [{"exp_labels": {"severity": "page"}}]}],
+        }],
+    }
+    path = tmp_path / "wrong.test.yml"
+    path.write_text(yaml.safe_dump(wrong))
+    result = run_promtool("test", "rules", path)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "FAILED" in result.stdout + result.stderr
+
+
+# ---- the rules themselves ------------------------------------------------------------------------
+
+
+def test_the_expected_alerts_exist_once_each() -> None:
+    names = [r["alert"] for r in alerting_rules()]
+    assert sorted(names) == sorted(EXPECTED_ALERTS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ALERTS))
+def test_every_alert_is_documented(name: str) -> None:
+    r = rule(name)
+    assert r.get("labels", {}).get("severity") in {"page", "ticket"}, name
+    assert "for" in r, f"{name}: state `for:` explicitly (0s where the expression already measures time)"
+    annotations = r.get("annotations", {})
+    for key in ("summary", "description"):
+        assert isinstance(annotations.get(key), str) and len(annotations[key].strip()) > 10, (name, key)
+    assert annotations.get("runbook_url") == f"docs/operations.md#{name.lower()}", name
+
+
+@pytest.mark.parametrize("name", sorted(SEED_THRESHOLDS))
+def test_seed_thresholds_are_exact(name: str) -> None:
+    assert re.search(SEED_THRESHOLDS[name], rule(name)["expr"]), (name, rule(name)["expr"])
+
+
+def test_seed_durations() -> None:
+    assert rule("FtdGpuUtilizationLow")["for"] == "10m"  # "sustained": below 0.5 for 10 minutes
+    assert "offset 5m" in rule("FtdGradNormJump")["expr"]  # the change against 5 minutes earlier
+    assert "offset 5m > 0" in rule("FtdGradNormJump")["expr"]  # no division by zero
+    assert "3 * (ftd_coordinator_checkpoint_interval_seconds" in rule("FtdNoRecentValidCheckpoint")["expr"]  # N = 3
+
+
+def metric_names(text: str) -> set[str]:
+    names = set()
+    for found in re.findall(r"\bftd_[a-z0-9_]+", text):
+        base = re.sub(r"_(bucket|sum|count)$", "", found)
+        names.add(base if base in HISTOGRAMS else found)
+    return names
+
+
+def test_rules_reference_only_exported_metrics() -> None:
+    used: set[str] = set()
+    for r in alerting_rules():
+        texts = [r["expr"], *r.get("annotations", {}).values()]
+        unknown = set().union(*(metric_names(t) for t in texts)) - EXPORTED_METRICS
+        assert not unknown, f"{r['alert']} references metrics ftd does not export: {sorted(unknown)}"
+        used |= metric_names(r["expr"])
+    assert used, "no ftd_ metric found at all: the name pattern is broken"
+
+
+def test_metric_name_check_catches_unknown_names() -> None:
+    assert metric_names("rate(ftd_agent_made_up_total[5m]) > 0") - EXPORTED_METRICS == {"ftd_agent_made_up_total"}
+    assert metric_names("ftd_coordinator_recovery_seconds_bucket") <= EXPORTED_METRICS
+
+
+def test_unit_tests_cover_every_alert_both_ways() -> None:
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in load_yaml(RULE_TESTS)["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (firing if check.get("exp_alerts") else quiet).add(check["alertname"])
+    assert EXPECTED_ALERTS - firing == set(), "alerts without a test case where they fire"
+    assert EXPECTED_ALERTS - quiet == set(), "alerts without a test case where they stay quiet"
