@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,26 +110,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_coordinator(args: argparse.Namespace, env: dict[str, str]) -> str:
-    flag, from_env = args.coordinator, env.get(ENV_COORDINATOR)
-    if flag and from_env and flag != from_env:
-        raise UsageError(f"--coordinator={flag} conflicts with {ENV_COORDINATOR}={from_env}; unset one of them")
-    if flag or from_env:
-        return str(flag or from_env)
+def _flag_or_env(args: argparse.Namespace, env: dict[str, str], flag: str, env_name: str,
+                 from_cluster: Callable[[localcluster.ClusterFile], str], secret: bool = False) -> str | None:
+    """A flag, else its environment variable (both set and different: an error, as etcdctl does),
+    else the value of the local cluster in ``--workdir``; ``None`` when there is nothing."""
+    given, from_env = getattr(args, flag), env.get(env_name)
+    if given and from_env and given != from_env:
+        shown = f"--{flag}" if secret else f"--{flag}={given}"
+        raise UsageError(f"{shown} conflicts with {env_name}{'' if secret else '=' + from_env}; unset one of them")
+    if given or from_env:
+        return str(given or from_env)
     if args.workdir is not None:
-        return localcluster.ClusterFile.load(args.workdir.resolve()).coordinator_endpoints
-    return DEFAULT_COORDINATOR
+        return from_cluster(localcluster.ClusterFile.load(args.workdir.resolve()))
+    return None
+
+
+def _resolve_coordinator(args: argparse.Namespace, env: dict[str, str]) -> str:
+    found = _flag_or_env(args, env, "coordinator", ENV_COORDINATOR, lambda c: c.coordinator_endpoints)
+    return found or DEFAULT_COORDINATOR
 
 
 def _resolve_token(args: argparse.Namespace, env: dict[str, str]) -> str:
-    flag, from_env = args.token, env.get(ENV_DRILL_TOKEN)
-    if flag and from_env and flag != from_env:
-        raise UsageError(f"--token conflicts with {ENV_DRILL_TOKEN}; unset one of them")
-    if flag or from_env:
-        return str(flag or from_env)
-    if args.workdir is not None:
-        return localcluster.ClusterFile.load(args.workdir.resolve()).drill_token
-    raise UsageError(f"a drill needs the drill token: --token, {ENV_DRILL_TOKEN}, or --workdir of a local cluster")
+    found = _flag_or_env(args, env, "token", ENV_DRILL_TOKEN, lambda c: c.drill_token, secret=True)
+    if found is None:
+        raise UsageError(f"a drill needs the drill token: --token, {ENV_DRILL_TOKEN}, or --workdir of a local cluster")
+    return found
 
 
 def _print_json(data: Any) -> None:

@@ -1,4 +1,4 @@
-"""Shared fixtures: real etcd servers on free loopback ports with temporary data dirs."""
+"""Fixtures of tests/: a whole local cluster as real processes (etcd fixtures: ../conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,28 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import ClusterFile, stop, up
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    """A single real etcd member, stopped after the test."""
-    cluster = EtcdCluster(tmp_path / "etcd", size=1, fast=True).start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture
-def etcd3(tmp_path: Path) -> Iterator[EtcdCluster]:
-    """A real three-member etcd cluster with fast raft timings."""
-    cluster = EtcdCluster(tmp_path / "etcd3", size=3, fast=True).start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Fixtures of the chaos scenarios: real etcd clusters and real ftd processes."""
+"""Fixtures shared by tests/ and chaos_tests/: real etcd servers on free loopback ports with temporary
+data dirs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ from pathlib import Path
 import pytest
 
 from ftd.ftctl.etcd_server import EtcdCluster
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A single real etcd member, stopped after the test."""
+    cluster = EtcdCluster(tmp_path / "etcd", size=1, fast=True).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture
