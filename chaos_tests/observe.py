@@ -53,6 +53,8 @@ def watch(cluster: ClusterFile, seconds: float, query_coordinator: bool = True) 
                 except ConnectionError:
                     out.status_failed += 1
             time.sleep(0.1)
+        if query_coordinator:
+            out.longest_gap_s = max(out.longest_gap_s, time.monotonic() - last_ok)  # failures at the end count too
     finally:
         client.close()
         for ch in channels.values():

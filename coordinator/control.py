@@ -198,7 +198,8 @@ class Controller:
         except StoreUnavailable:
             pass
 
-    async def _leader_step(self) -> None:
+    async def _leader_step(self) -> bool:
+        """Refreshes the lease; returns whether it was confirmed (if not, the loop retries soon)."""
         assert self.lease is not None
         sent = self.clock()
         try:
@@ -207,15 +208,16 @@ class Controller:
             unconfirmed = self.clock() - self._last_confirmed
             if not self.suspended and unconfirmed > self.settings.leader_ttl_s:
                 await self._suspend(f"lease unconfirmed for {unconfirmed:.1f}s (ttl {self.settings.leader_ttl_s}s)")
-            return
+            return False
         if not still:
             await self._step_down("leader lease expired or was taken over")
-            return
+            return False
         self._last_confirmed = sent
         if self.suspended or self.view is None or self._reload:
             self._reload = False
             log.info("leadership confirmed again; reloading state from etcd")
             await self._become_leader(self.lease)
+        return True
 
     async def _leadership_loop(self) -> None:
         while not self._stopping.is_set():
@@ -223,8 +225,8 @@ class Controller:
                 await self._standby_step()
                 period = 0.2
             else:
-                await self._leader_step()
-                period = 0.2 if self.suspended else self.settings.leader_ttl_s / 3
+                confirmed = await self._leader_step()
+                period = 0.2 if self.suspended or not confirmed else self.settings.leader_ttl_s / 3
             await self._sleep(period)
 
     async def _sleep(self, seconds: float) -> None:

@@ -82,6 +82,17 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def next_member(client: Any) -> None:
+    """After a connectivity failure, send the next call to the next member. pyetcd marks a member
+    failed for ``time_retry`` only and then goes back to it: with a member down for good that is
+    every call (it kept a leader unconfirmed through the death of one member of three)."""
+    labels = list(client.endpoints)
+    if len(labels) > 1:
+        current = client._current_endpoint_label
+        index = labels.index(current) if current in labels else -1
+        client._current_endpoint_label = labels[(index + 1) % len(labels)]
+
+
 class Keys:
     def __init__(self, cluster: str) -> None:
         self.prefix = f"/ftd/{cluster}/"
@@ -114,7 +125,9 @@ class EtcdStore:
         self.keys = Keys(cluster)
         parsed = parse_endpoints(endpoints)
         self._data = _client(parsed, timeout_s)
-        self._lease = _client(parsed, timeout_s)
+        # Lease calls get a short deadline: a call stuck on a member that just lost its leader must
+        # fail fast so the next attempt (another member) confirms the lease well within its TTL.
+        self._lease = _client(parsed, min(timeout_s, 1.0))
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         try:
@@ -123,11 +136,17 @@ class EtcdStore:
             # pyetcd turns connectivity codes into its own exceptions; what is left is a refusal.
             code = rpc_code(exc)
             if code is None or code in _CONNECTIVITY:
+                self._move_on()
                 raise StoreUnavailable(f"{op} on etcd {self.endpoints}", exc) from exc
             raise StoreRejected(f"{op} on etcd {self.endpoints}", f"{code.name}: {rpc_details(exc)}") from exc
         except (pyetcd.exceptions.Etcd3Exception, ValueError) as exc:
             # ValueError: pyetcd's "Trying to use a failed node" when every endpoint just failed.
+            self._move_on()
             raise StoreUnavailable(f"{op} on etcd {self.endpoints}", exc) from exc
+
+    def _move_on(self) -> None:
+        for client in (self._data, self._lease):
+            next_member(client)
 
     # ---- data ----------------------------------------------------------------------------
 

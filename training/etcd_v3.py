@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from ftd.coordinator.etcd_store import parse_endpoints
+from ftd.coordinator.etcd_store import next_member, parse_endpoints
 
 T = TypeVar("T")
 BACKEND = "etcd-v3"
@@ -50,11 +50,14 @@ def make_client(endpoints: str, timeout_s: float = 10.0) -> Any:
     return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
 
 
-def _etcd(what: str, fn: Callable[[], T]) -> T:
-    """The one translation of etcd client errors into torch's rendezvous errors."""
+def _etcd(what: str, fn: Callable[[], T], client: Any = None) -> T:
+    """The one translation of etcd client errors into torch's rendezvous errors; after a failure the
+    client moves to the next member."""
     try:
         return fn()
     except (pyetcd.exceptions.Etcd3Exception, grpc.RpcError, ValueError) as exc:
+        if client is not None:
+            next_member(client)
         raise RendezvousConnectionError(f"etcd v3 {what} failed: {exc!r}") from exc
 
 
@@ -67,12 +70,15 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._client = client
         self._key = f"{key_prefix}/{run_id}"
 
+    def _do(self, what: str, fn: Callable[[], T]) -> T:
+        return _etcd(what, fn, self._client)
+
     @property
     def name(self) -> str:
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        value, meta = _etcd("get_state", lambda: self._client.get(self._key))
+        value, meta = self._do("get_state", lambda: self._client.get(self._key))
         if value is None:
             return None
         return bytes(value), int(meta.mod_revision)
@@ -95,7 +101,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             except (TypeError, ValueError):
                 return self._current()
             compare = [tx.Mod(self._key) == revision]
-        ok, responses = _etcd("set_state", lambda: self._client.transaction(
+        ok, responses = self._do("set_state", lambda: self._client.transaction(
             compare=compare, success=[tx.Put(self._key, state), tx.Get(self._key)], failure=[tx.Get(self._key)]))
         kvs = responses[-1]
         if not kvs:
@@ -119,6 +125,9 @@ class EtcdV3Store(Store):
         if timeout is not None:
             self.set_timeout(timeout)
 
+    def _do(self, what: str, fn: Callable[[], T]) -> T:
+        return _etcd(what, fn, self.client)
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout
         super().set_timeout(timeout)
@@ -131,7 +140,7 @@ class EtcdV3Store(Store):
         return value.encode() if isinstance(value, str) else bytes(value)
 
     def set(self, key: str, value: str | bytes) -> None:
-        _etcd("set", lambda: self.client.put(self._key(key), self._bytes(value)))
+        self._do("set", lambda: self.client.put(self._key(key), self._bytes(value)))
 
     def get(self, key: str) -> bytes:
         return self._wait_get([key], self._timeout)[0]
@@ -141,21 +150,21 @@ class EtcdV3Store(Store):
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         ops = [tx.Put(self._key(k), self._bytes(v)) for k, v in zip(keys, values, strict=True)]
-        _etcd("multi_set", lambda: self.client.transaction(compare=[], success=ops, failure=[]))
+        self._do("multi_set", lambda: self.client.transaction(compare=[], success=ops, failure=[]))
 
     def add(self, key: str, num: int) -> int:
         """Atomic increment by compare-and-swap on the key's revision (retried on contention)."""
         full = self._key(key)
         while True:
-            value, meta = _etcd("add", lambda: self.client.get(full))
+            value, meta = self._do("add", lambda: self.client.get(full))
             if value is None:
-                ok, _ = _etcd("add", lambda: self.client.transaction(
+                ok, _ = self._do("add", lambda: self.client.transaction(
                     compare=[tx.Create(full) == 0], success=[tx.Put(full, str(num))], failure=[]))
                 if ok:
                     return num
                 continue
             new = int(value) + num
-            ok, _ = _etcd("add", lambda: self.client.transaction(
+            ok, _ = self._do("add", lambda: self.client.transaction(
                 compare=[tx.Mod(full) == meta.mod_revision], success=[tx.Put(full, str(new))], failure=[]))  # noqa: B023
             if ok:
                 return new
@@ -163,7 +172,7 @@ class EtcdV3Store(Store):
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         full, want, new = self._key(key), self._bytes(expected), self._bytes(desired)
         compare = [tx.Create(full) == 0] if want == b"" else [tx.Value(full) == want]
-        ok, responses = _etcd("compare_set", lambda: self.client.transaction(
+        ok, responses = self._do("compare_set", lambda: self.client.transaction(
             compare=compare, success=[tx.Put(full, new)], failure=[tx.Get(full)]))
         if ok:
             return new
@@ -171,7 +180,7 @@ class EtcdV3Store(Store):
         return bytes(kvs[0][0]) if kvs else want
 
     def _get(self, key: str) -> bytes | None:
-        value, _ = _etcd("get", lambda: self.client.get(self._key(key)))
+        value, _ = self._do("get", lambda: self.client.get(self._key(key)))
         return None if value is None else bytes(value)
 
     def check(self, keys: list[str]) -> bool:
@@ -181,16 +190,17 @@ class EtcdV3Store(Store):
         self._wait_get(keys, timeout or self._timeout)
 
     def delete_key(self, key: str) -> bool:
-        return bool(_etcd("delete_key", lambda: self.client.delete(self._key(key))))
+        return bool(self._do("delete_key", lambda: self.client.delete(self._key(key))))
 
     def num_keys(self) -> int:
-        return len(list(_etcd("num_keys", lambda: self.client.get_prefix(self.prefix, keys_only=True))))
+        return len(list(self._do("num_keys", lambda: self.client.get_prefix(self.prefix, keys_only=True))))
 
     def _wait_get(self, keys: Sequence[str], timeout: datetime.timedelta) -> list[bytes]:
         """Blocks until every key exists (watching the prefix), or raises ``LookupError`` like c10d."""
         deadline = time.monotonic() + timeout.total_seconds()
         changed = threading.Event()
-        watch_id = _etcd("watch", lambda: self.client.add_watch_prefix_callback(self.prefix, lambda _: changed.set()))
+        watch_id = self._do("watch", lambda: self.client.add_watch_prefix_callback(
+            self.prefix, lambda _: changed.set()))
         try:
             while True:
                 values = [self._get(k) for k in keys]
