@@ -3,7 +3,6 @@ watch migrations between tiers."""
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -120,14 +119,6 @@ class VerifyProgress:
         self._progress.update(self._task, completed=done, description=f"verifying {label}")
         if done >= total:
             self._progress.stop()
-
-
-def print_progress(done: int, total: int, label: str) -> None:
-    """Plain single-line progress on stderr (used when stderr is no terminal: nothing is printed)."""
-    if sys.stderr.isatty():
-        print(f"\r{bar(done, total)} {label[:40]:<40}", end="", file=sys.stderr, flush=True)
-        if done >= total:
-            print(file=sys.stderr)
 
 
 def migrations(client: CoordinatorClient) -> list[dict[str, Any]]:

@@ -161,9 +161,3 @@ def run(client: CoordinatorClient, node_id: str, token: str, mode: str = "node",
     return DrillResult(node_id, mode, rank, detected_s, replacement, epoch_before, epoch_after, committed_s,
                        last_step_before, resumed_step, lost, recovered_s, target_detect_s, target_recover_s, why, ok,
                        timeline)
-
-
-def kill_node(client: CoordinatorClient, node_id: str, token: str, target_s: float = 3.0,
-              timeout_s: float = 30.0, reason: str = "ftctl drill") -> DrillResult:
-    """The node drill (the control plane's original entry point)."""
-    return run(client, node_id, token, "node", target_s, timeout_s=timeout_s, reason=reason)
