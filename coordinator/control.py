@@ -92,7 +92,6 @@ class Controller:
         self.last_tick_at = self.clock()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._elected = asyncio.Event()
         self._data_pool = ThreadPoolExecutor(4, thread_name_prefix="ftd-etcd")
         self._lease_pool = ThreadPoolExecutor(1, thread_name_prefix="ftd-lease")
         self._outage_logged = False
@@ -163,7 +162,6 @@ class Controller:
         self._publish_gauges()
         log.info("elected leader at %s: epoch %d, %d nodes known, grace %.1fs", self.address,
                  self.view.world.epoch, len(self.view.nodes), self.settings.failover_grace_s)
-        self._elected.set()
         # The event is informational; if it cannot be written the keep-alive loop sorts leadership out.
         with contextlib.suppress(errors.StateUnavailable, StaleStateError):
             await self._commit("leader", events=[("leader_elected", "", f"{self.replica_id} leads at {self.address}")])
@@ -171,7 +169,6 @@ class Controller:
     async def _step_down(self, reason: str) -> None:
         log.warning("stepping down: %s", reason)
         self.lease, self.view, self.suspended, self.known_leader = None, None, False, None
-        self._elected.clear()
         self.metrics.is_leader.set(0)
         set_identity(role="standby")
         self._close_streams(errors.NotLeader(self.replica_id, "", f"stepped down ({reason})"))
@@ -535,13 +532,6 @@ class Controller:
         set_identity(replica=self.replica_id, role="standby")
         self.metrics.is_leader.set(0)
         await asyncio.gather(self._leadership_loop(), self._tick_loop())
-
-    async def wait_elected(self, timeout_s: float) -> bool:
-        try:
-            await asyncio.wait_for(self._elected.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     async def stop(self) -> None:
         """Graceful stop: resign so a standby takes over at once instead of after the lease TTL."""

@@ -19,6 +19,8 @@ from .model import NodeRecord, Role, World
 from .store import Snapshot
 
 INLINE_WORLD_MAX = 256  # above this many ranks an assignment carries world_size only
+_STATE_NAMES = {cluster_pb2.NODE_STATE_ALIVE: "alive", cluster_pb2.NODE_STATE_SUSPECT: "suspect",
+                cluster_pb2.NODE_STATE_DEAD: "dead", cluster_pb2.NODE_STATE_FENCED: "fenced"}
 
 _ROLE = {Role.ACTIVE: cluster_pb2.ROLE_ACTIVE, Role.SPARE: cluster_pb2.ROLE_SPARE}
 _STATE = {
@@ -183,10 +185,9 @@ class ClusterView:
         return out
 
     def counts(self) -> dict[str, int]:
-        counts = {"alive": 0, "suspect": 0, "dead": 0, "fenced": 0}
-        names = {v: k for k, v in cluster_pb2.NodeState.items()}
+        counts = dict.fromkeys(_STATE_NAMES.values(), 0)
         for node_id in self.nodes:
             state, _ = self.state_of(node_id)
-            counts[names[state].removeprefix("NODE_STATE_").lower()] += 1
+            counts[_STATE_NAMES[state]] += 1
         return counts
 
