@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from ftd import metrics_http, systemd
+from ftd import metrics_http, rpc, systemd
 from ftd.coordinator.client import CoordinatorClient
 from ftd.logs import set_identity
 from ftd.v1 import agent_pb2, cluster_pb2
@@ -41,7 +41,8 @@ class AgentDaemon:
         self.metrics.training_step.set(-1)
         self._progress_lock = threading.Lock()
         self._stop = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ftd-agent-rpc"))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ftd-agent-rpc"),
+                                  options=rpc.SERVER_OPTIONS)
         self.address = ""
         self.metrics_address = ""
         self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s)
@@ -191,11 +192,11 @@ class AgentDaemon:
             sock.unlink()  # a stale socket of a previous run; ours is created by bind below
         service.add_to_server(self.server, self)
         host, _, port = s.listen.rpartition(":")
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        bound = rpc.add_port(self.server, f"{host}:{port}")
         # Registered as the address others dial: a wildcard listen address means "reach me at my host".
         reach = s.effective_host if host.strip("[]") in ("0.0.0.0", "::", "") else host.strip("[]")
         self.address = f"{reach}:{bound}"
-        self.server.add_insecure_port(f"unix:{sock}")
+        rpc.add_port(self.server, f"unix:{sock}")
         self.server.start()
         if s.metrics_listen:
             mhost, _, mport = s.metrics_listen.rpartition(":")

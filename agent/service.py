@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ftd.coordinator.client import rpc_code, rpc_details
+from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
 
 from .training import signal_pids

@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftd.coordinator.client import parse_endpoints
+from ftd.rpc import parse_endpoints
 from ftd.coordinator.model import valid_node_id
 from ftd.settings import require, setting
 
@@ -65,7 +65,7 @@ class AgentSettings:
                 f"{self.node_id!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
         require(self.role in ("active", "spare"), "role", f"must be active or spare, got {self.role!r}")
         try:
-            parse_endpoints(self.coordinators)
+            parse_endpoints(self.coordinators, "coordinator endpoint")
         except ValueError as exc:
             require(False, "coordinators", str(exc))
         require(_hostport_ok(self.listen), "listen", f"expected HOST:PORT, got {self.listen!r}")

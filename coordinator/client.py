@@ -16,17 +16,12 @@ from typing import Any
 
 import grpc
 
+from ftd.rpc import channel as open_channel
+from ftd.rpc import parse_endpoints, rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("ftd.client")
 LEADER_METADATA_KEY = "ftd-leader"
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
 
 
 class CoordinatorUnreachable(ConnectionError):
@@ -39,29 +34,6 @@ class CoordinatorUnreachable(ConnectionError):
             "and that --coordinator / FTD_COORDINATOR names the right HOST:PORT list."
         )
         self.endpoints = list(endpoints)
-
-
-def parse_endpoints(text: str | Sequence[str]) -> list[str]:
-    parts = text.split(",") if isinstance(text, str) else list(text)
-    out = [p.strip() for p in parts if p.strip()]
-    for p in out:
-        host, sep, port = p.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"bad coordinator endpoint {p!r}: expected HOST:PORT")
-    if not out:
-        raise ValueError("no coordinator endpoint given")
-    return out
-
-
-def rpc_code(exc: BaseException) -> grpc.StatusCode | None:
-    """The status code of a failed call (gRPC's errors are also ``grpc.Call`` objects)."""
-    code = getattr(exc, "code", None)
-    return code() if callable(code) else None
-
-
-def rpc_details(exc: BaseException) -> str:
-    details = getattr(exc, "details", None)
-    return str(details()) if callable(details) else str(exc)
 
 
 def leader_hint(exc: BaseException) -> str | None:
@@ -77,7 +49,7 @@ def leader_hint(exc: BaseException) -> str | None:
 
 class CoordinatorClient:
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0) -> None:
-        self.endpoints = parse_endpoints(endpoints)
+        self.endpoints = parse_endpoints(endpoints, "coordinator endpoint")
         self.timeout_s = timeout_s
         self._current = self.endpoints[0]
         self._channels: dict[str, grpc.Channel] = {}
@@ -92,7 +64,7 @@ class CoordinatorClient:
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+                channel = open_channel(endpoint)
                 self._channels[endpoint] = channel
         return coordinator_pb2_grpc.CoordinatorStub(channel)
 

@@ -20,11 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
-import pyetcd
 import pyetcd.exceptions
 from pyetcd import transactions as tx
 
-from .client import rpc_code, rpc_details
+from ftd.etcd_client import make_client, next_member
+from ftd.rpc import rpc_code, rpc_details
+
 from .model import (
     CorruptRecord,
     Event,
@@ -52,45 +53,8 @@ from .store import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Reconnect quickly after an outage: gRPC's default backoff grows to two minutes.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
-]
-
-
 _CONNECTIVITY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-
-
-def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """``"host:port,host:port"`` (an ``http://`` prefix is tolerated) → ``[(host, port), ...]``."""
-    out = []
-    for chunk in text.split(","):
-        part = chunk.strip().removeprefix("http://")
-        if not part:
-            continue
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"bad etcd endpoint {part!r}: expected HOST:PORT")
-        out.append((host.strip("[]"), int(port)))
-    if not out:
-        raise ValueError("no etcd endpoint given")
-    return out
-
-
-def next_member(client: Any) -> None:
-    """After a connectivity failure, send the next call to the next member. pyetcd marks a member
-    failed for ``time_retry`` only and then goes back to it: with a member down for good that is
-    every call (it kept a leader unconfirmed through the death of one member of three)."""
-    labels = list(client.endpoints)
-    if len(labels) > 1:
-        current = client._current_endpoint_label
-        index = labels.index(current) if current in labels else -1
-        client._current_endpoint_label = labels[(index + 1) % len(labels)]
 
 
 class Keys:
@@ -109,25 +73,16 @@ class Keys:
         return f"{self.events}{seq:016d}"
 
 
-def _client(endpoints: list[tuple[str, int]], timeout_s: float) -> Any:
-    eps = [
-        pyetcd.Endpoint(host, port, secure=False, time_retry=0.2, opts=_CHANNEL_OPTIONS)
-        for host, port in endpoints
-    ]
-    return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
-
-
 class EtcdStore:
     """:class:`~.store.StateStore` on etcd v3. Two clients: leases never queue behind data calls."""
 
     def __init__(self, endpoints: str, cluster: str = "default", timeout_s: float = 2.0) -> None:
         self.endpoints = endpoints
         self.keys = Keys(cluster)
-        parsed = parse_endpoints(endpoints)
-        self._data = _client(parsed, timeout_s)
+        self._data = make_client(endpoints, timeout_s)
         # Lease calls get a short deadline: a call stuck on a member that just lost its leader must
         # fail fast so the next attempt (another member) confirms the lease well within its TTL.
-        self._lease = _client(parsed, min(timeout_s, 1.0))
+        self._lease = make_client(endpoints, min(timeout_s, 1.0))
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         try:
@@ -271,4 +226,4 @@ class EtcdStore:
                 log.debug("closing etcd client failed", exc_info=True)
 
 
-__all__ = ["CorruptRecord", "EtcdStore", "Keys", "parse_endpoints"]
+__all__ = ["CorruptRecord", "EtcdStore", "Keys"]

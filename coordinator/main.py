@@ -13,14 +13,14 @@ from pathlib import Path
 
 from grpc import aio
 
-from ftd import logs, metrics_http, systemd
+from ftd import logs, metrics_http, rpc, systemd
 from ftd.settings import load_or_exit
 
 from .control import Controller
 from .etcd_store import EtcdStore
 from .metrics import CoordinatorMetrics
-from .service import GRPC_SERVER_OPTIONS, add_to_server
-from .settings import ENV_PREFIX, CoordinatorSettings, parse_hostport
+from .service import add_to_server
+from .settings import ENV_PREFIX, CoordinatorSettings
 
 log = logging.getLogger("ftd.coordinator")
 
@@ -36,7 +36,7 @@ def start_http(listen: str, controller: Controller, metrics: CoordinatorMetrics)
     """/metrics, /healthz (the control loop is ticking), /readyz (serving: leader or standby)."""
     if not listen:
         return ""
-    host, port = parse_hostport(listen)
+    host, port = rpc.parse_hostport(listen)
 
     def healthy() -> tuple[bool, str]:
         idle = controller.clock() - controller.last_tick_at
@@ -52,9 +52,9 @@ def start_http(listen: str, controller: Controller, metrics: CoordinatorMetrics)
 
 async def serve(settings: CoordinatorSettings) -> int:
     metrics = CoordinatorMetrics()
-    server = aio.server(options=GRPC_SERVER_OPTIONS)
-    host, port = parse_hostport(settings.listen)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    server = aio.server(options=rpc.SERVER_OPTIONS)
+    host, port = rpc.parse_hostport(settings.listen)
+    bound = rpc.add_port(server, rpc.dial_target(host, port))
     if bound == 0:
         log.error("cannot listen on %s", settings.listen)
         return 1

@@ -187,11 +187,3 @@ def add_to_server(server: aio.Server, controller: Controller) -> None:
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(controller), server)
 
 
-GRPC_SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_concurrent_streams", 100_000),
-]
-

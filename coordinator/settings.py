@@ -9,16 +9,11 @@ from pathlib import Path
 from ftd.settings import require, setting
 
 from .detector import DetectorSettings
-from .etcd_store import parse_endpoints
+from ftd.etcd_client import parse_endpoints
+from ftd.rpc import parse_hostport
 
 ENV_PREFIX = "FTD_COORDINATOR_"
 
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)

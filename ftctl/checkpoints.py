@@ -10,7 +10,9 @@ from typing import Any
 import grpc
 from rich.console import Console
 
-from ftd.coordinator.client import CoordinatorClient, rpc_code, rpc_details
+from ftd.coordinator.client import CoordinatorClient
+from ftd import rpc
+from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 TIERS = ("ssd", "hdd", "s3")
@@ -75,7 +77,7 @@ def verify(client: CoordinatorClient, job: str, step: int,
         if node is None or node.state != cluster_pb2.NODE_STATE_ALIVE:
             row.update(ok=False, error=f"no alive agent can read {copy.tier}@{copy.location}", checked=False)
         else:
-            with grpc.insecure_channel(node.agent_address) as ch:
+            with rpc.channel(node.agent_address) as ch:
                 try:
                     r = agent_pb2_grpc.AgentStub(ch).VerifyCopy(agent_pb2.VerifyCopyRequest(
                         job=job, step=step, rank=shard.rank, tier=copy.tier), timeout=3600)
@@ -126,7 +128,7 @@ def migrations(client: CoordinatorClient) -> list[dict[str, Any]]:
     for node in client.nodes().nodes:
         if node.state != cluster_pb2.NODE_STATE_ALIVE or not node.agent_address:
             continue
-        with grpc.insecure_channel(node.agent_address) as ch:
+        with rpc.channel(node.agent_address) as ch:
             try:
                 info = agent_pb2_grpc.AgentStub(ch).GetInfo(agent_pb2.GetInfoRequest(), timeout=5)
             except grpc.RpcError:

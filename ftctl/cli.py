@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable, rpc_code, rpc_details
+from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable
+from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import cluster_pb2
 
 from . import checkpoints, demo, drill, localcluster, render, report

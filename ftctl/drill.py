@@ -19,7 +19,9 @@ from typing import Any
 
 import grpc
 
-from ftd.coordinator.client import CoordinatorClient, rpc_code, rpc_details
+from ftd.coordinator.client import CoordinatorClient
+from ftd import rpc
+from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 _GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
@@ -104,7 +106,7 @@ def run(client: CoordinatorClient, node_id: str, token: str, mode: str = "node",
     steps_before = _progress(client, world_before) if job else []
     last_step_before = max((s for s, _ in steps_before), default=None)
 
-    with grpc.insecure_channel(node.agent_address) as channel:
+    with rpc.channel(node.agent_address) as channel:
         try:
             agent_pb2_grpc.AgentStub(channel).Kill(agent_pb2.KillRequest(reason=reason, mode=MODES[mode]), timeout=5.0,
                                                    metadata=(("authorization", f"Bearer {token}"),))

@@ -25,7 +25,8 @@ import yaml
 from ftd.agent.settings import ENV_PREFIX as AGENT_ENV_PREFIX
 from ftd.agent.settings import AgentSettings
 from ftd.coordinator.settings import ENV_PREFIX as COORDINATOR_ENV_PREFIX
-from ftd.coordinator.settings import CoordinatorSettings, parse_hostport
+from ftd.coordinator.settings import CoordinatorSettings
+from ftd.rpc import parse_hostport
 from ftd.ftctl.localcluster import ClusterFile
 from ftd.settings import load
 

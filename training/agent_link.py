@@ -12,7 +12,8 @@ from typing import Any
 
 import grpc
 
-from ftd.coordinator.client import rpc_code, rpc_details
+from ftd import rpc
+from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 ENV_SOCKET = "FTD_AGENT_SOCKET"
@@ -36,7 +37,7 @@ class AgentLink:
                                    "launches) or pass agent_socket=")
         self.socket_path = path
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(f"unix:{path}")
+        self._channel = rpc.channel(f"unix:{path}")
         self._stub = agent_pb2_grpc.AgentStub(self._channel)
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:

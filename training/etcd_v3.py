@@ -37,18 +37,10 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from ftd.coordinator.etcd_store import next_member, parse_endpoints
+from ftd.etcd_client import make_client, next_member
 
 T = TypeVar("T")
 BACKEND = "etcd-v3"
-_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
-
-
-def make_client(endpoints: str, timeout_s: float = 10.0) -> Any:
-    eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=0.2, opts=_CHANNEL_OPTIONS)
-           for h, p in parse_endpoints(endpoints)]
-    return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
-
 
 def _etcd(what: str, fn: Callable[[], T], client: Any = None) -> T:
     """The one translation of etcd client errors into torch's rendezvous errors; after a failure the

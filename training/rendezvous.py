@@ -43,7 +43,8 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from ftd.coordinator.client import CoordinatorClient, rpc_code, rpc_details
+from ftd.coordinator.client import CoordinatorClient
+from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
 from .agent_link import AgentLink, AgentUnavailable
