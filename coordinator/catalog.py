@@ -3,7 +3,8 @@ records whose rules live in :mod:`ftd.checkpoints.catalog`.
 
 The catalog lives in etcd under ``/ftd/<cluster>/kv/ckpt/`` (one key per step's meta, one per shard,
 one per job's rollback) and, on the leader, in memory, loaded at election with the rest of the state.
-A change is committed first and believed after, like every other change of the coordinator.
+A change is committed first and believed after, like every other change of the coordinator; the
+keeper needs only :class:`~.leader_state.LeaderState` for that, and a wall clock for the records.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.layout import BadIdentifier, FileEntry, ShardManifest, check_job, check_rank, check_step
 from ftd.v1 import checkpoint_pb2
 
 from . import errors
-
-if TYPE_CHECKING:
-    from .control import Controller
+from .leader_state import LeaderState
+from .metrics import CoordinatorMetrics
 
 log = logging.getLogger("ftd.coordinator.catalog")
 
@@ -42,8 +42,9 @@ def to_info(record: rules.CheckpointRecord) -> checkpoint_pb2.CheckpointInfo:
     return info
 
 
-def manifest_from_proto(m: checkpoint_pb2.ShardManifest) -> ShardManifest:
-    """Validates an RPC's manifest; :class:`~.errors.InvalidArgument` names the field."""
+def manifest_from_proto(m: checkpoint_pb2.ShardManifest, now: float) -> ShardManifest:
+    """Validates an RPC's manifest; :class:`~.errors.InvalidArgument` names the field. ``now`` (unix
+    time) stands in for a missing creation time."""
     try:
         job = check_job(m.job)
         step = check_step(m.step)
@@ -55,11 +56,11 @@ def manifest_from_proto(m: checkpoint_pb2.ShardManifest) -> ShardManifest:
         if not m.files:
             raise BadIdentifier("files", "a shard has at least one file")
         files = tuple(FileEntry(f.name, f.size, f.crc32c) for f in m.files)
-        raw = ShardManifest(job, step, m.epoch, rank, m.world_size, m.format, files, m.created_unix_s or time.time())
+        raw = ShardManifest(job, step, m.epoch, rank, m.world_size, m.format, files, m.created_unix_s or now)
         # The same checks as a manifest read from disk (file names, checksums).
         return ShardManifest.decode("request", raw.encode())
     except BadIdentifier as exc:
-        raise errors.InvalidArgument(f"manifest.{exc.field}", str(exc).split(": ", 1)[-1]) from exc
+        raise errors.InvalidArgument.naming(exc, within="manifest.") from exc
     except ValueError as exc:
         raise errors.InvalidArgument("manifest", str(exc)) from exc
 
@@ -68,29 +69,32 @@ def _check(job: str, step: int) -> tuple[str, int]:
     try:
         return check_job(job), check_step(step)
     except BadIdentifier as exc:
-        raise errors.InvalidArgument(exc.field, str(exc).split(": ", 1)[-1]) from exc
+        raise errors.InvalidArgument.naming(exc) from exc
 
 
 class CatalogKeeper:
-    def __init__(self, controller: Controller) -> None:
-        self.ctl = controller
+    def __init__(self, state: LeaderState, metrics: CoordinatorMetrics,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.wall = wall
         self._lock = asyncio.Lock()
         self._valid_at: dict[tuple[str, int], float] = {}  # when a step became valid, on this leader
 
     # The records live in the leader's view, loaded from etcd with everything else.
     def _records(self) -> dict[tuple[str, int], rules.CheckpointRecord]:
-        return self.ctl.require_leader().catalog
+        return self.state.require_leader().catalog
 
     def _get(self, job: str, step: int) -> rules.CheckpointRecord:
         record = self._records().get((job, step))
         if record is None:
-            raise errors.CheckpointNotFound(f"job {job} has no checkpoint at step {step}")
+            raise errors.CheckpointNotFound(job, step)
         return record
 
     async def _save(self, kind: str, puts: Mapping[str, bytes], deletes: Sequence[str], event: tuple[str, str, str],
                     records: Sequence[rules.CheckpointRecord], removed: Sequence[tuple[str, int]] = ()) -> None:
-        await self.ctl._commit(kind, events=[event], kv_puts=puts, kv_deletes=deletes)
-        view = self.ctl.require_leader()
+        await self.state.commit(kind, events=[event], kv_puts=puts, kv_deletes=deletes)
+        view = self.state.require_leader()
         for record in records:
             view.catalog[(record.job, record.step)] = record
         for key in removed:
@@ -98,14 +102,14 @@ class CatalogKeeper:
 
     def publish_gauges(self) -> None:
         """The newest valid checkpoint per job and the interval between the two newest."""
-        view = self.ctl.view
+        view = self.state.view
         if view is None:
             return
         valid: dict[str, list[rules.CheckpointRecord]] = {}
         for (job, _), record in view.catalog.items():
             if record.valid:
                 valid.setdefault(job, []).append(record)
-        metrics = self.ctl.metrics
+        metrics = self.metrics
         for job, records in valid.items():
             records.sort(key=lambda r: r.step)
             newest = records[-1]
@@ -129,7 +133,7 @@ class CatalogKeeper:
                              ("checkpoints_removed", "", why), [], gone)
 
     async def commit_shard(self, request: checkpoint_pb2.CommitShardRequest) -> checkpoint_pb2.CommitShardResponse:
-        manifest = manifest_from_proto(request.manifest)
+        manifest = manifest_from_proto(request.manifest, self.wall())
         if request.tier not in rules.TIERS:
             raise errors.InvalidArgument("tier", f"must be one of {', '.join(rules.TIERS)}, got {request.tier[:40]!r}")
         if not request.location or "/" in request.location:
@@ -137,7 +141,7 @@ class CatalogKeeper:
         async with self._lock:
             before = self._records().get((manifest.job, manifest.step))
             try:
-                record, what = rules.commit_shard(before, manifest, request.tier, request.location, time.time())
+                record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall())
             except rules.CatalogError as exc:
                 raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
             if before is not None and record == before:
@@ -146,7 +150,7 @@ class CatalogKeeper:
             await self._save("checkpoint", puts, (), ("shard_committed", "", f"{manifest.job} step {manifest.step}: "
                                                       f"{what}"), [record])
             if record.valid and (before is None or not before.valid):
-                self._valid_at[(record.job, record.step)] = time.time()
+                self._valid_at[(record.job, record.step)] = self.wall()
                 self.publish_gauges()
                 log.info("checkpoint %s step %d is valid (%d shards, %d bytes)", record.job, record.step,
                          record.world_size, record.total_bytes)
@@ -159,7 +163,7 @@ class CatalogKeeper:
         async with self._lock:
             record = self._get(job, step)
             if request.rank not in record.shards:
-                raise errors.CheckpointNotFound(f"step {step} of job {job} has no committed rank {request.rank}")
+                raise errors.CheckpointNotFound(job, step, request.rank)
             shard = record.shards[request.rank]
             copy = (request.tier, request.location)
             if request.corrupt_reason:
@@ -193,8 +197,6 @@ class CatalogKeeper:
             record = self._get(job, step)
             if record.invalid_reason:
                 return to_info(record)
-            from dataclasses import replace
-
             new = replace(record, invalid_reason=request.reason[:500])
             await self._save("checkpoint", rules.encode(new, []), (),
                              ("checkpoint_invalid", "", f"{job} step {step} invalid: {request.reason[:500]}"), [new])
@@ -208,7 +210,7 @@ class CatalogKeeper:
 
     def restore_target(self, job: str) -> checkpoint_pb2.RestoreTarget:
         _check(job, 0)
-        view = self.ctl.require_leader()
+        view = self.state.require_leader()
         records = [r for (j, _), r in view.catalog.items() if j == job]
         target, why = rules.restore_target(records, view.rollbacks.get(job))
         if target is None:
@@ -218,10 +220,10 @@ class CatalogKeeper:
     async def rollback(self, request: checkpoint_pb2.RollbackRequest) -> checkpoint_pb2.RollbackResponse:
         job, step = _check(request.job, request.step)
         async with self._lock:
-            view = self.ctl.require_leader()
+            view = self.state.require_leader()
             records = [r for (j, _), r in view.catalog.items() if j == job]
             try:
-                rb, removed = rules.rollback(records, job, step, time.time())
+                rb, removed = rules.rollback(records, job, step, self.wall())
             except rules.CatalogError as exc:
                 raise errors.CatalogConflict(str(exc)) from exc
             await self._delete(removed, f"{job} rolled back to step {step}; removed steps "

@@ -1,46 +1,68 @@
 """The coordinator's error hierarchy, and its one translation table to gRPC status codes.
 
 Handlers raise these; :func:`grpc_code` maps them once at the boundary (etcd's ``v3rpc/util.go``
-pattern). Every message names the thing: the node, the field, the leader's address.
+pattern), so the classes say what happened and only :data:`GRPC_CODES` says how a client sees it.
+Every message names the thing: the node, the job, the field, the leader's address.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import grpc
 
 
+class NamesField(Protocol):
+    """A validator's error whose message already reads ``"<field>: <why>"`` (``BadIdentifier``)."""
+
+    field: str
+
+
 class CoordinatorError(Exception):
-    code = grpc.StatusCode.INTERNAL
+    """Base of every error a handler raises on purpose; anything else is a bug (INTERNAL)."""
 
 
 class InvalidArgument(CoordinatorError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """A request field is malformed; ``field`` names it (``manifest.step``)."""
 
     def __init__(self, field: str, why: str) -> None:
         super().__init__(f"{field}: {why}")
         self.field = field
 
+    @classmethod
+    def naming(cls, exc: NamesField, within: str = "") -> InvalidArgument:
+        """A validator's error, its field nested under ``within`` (``"manifest."``); the message is
+        reused whole rather than parsed apart."""
+        err = cls(within + exc.field, "")
+        err.args = (f"{within}{exc}",)
+        return err
+
 
 class NodeNotFound(CoordinatorError):
-    code = grpc.StatusCode.NOT_FOUND
-
     def __init__(self, node_id: str) -> None:
         super().__init__(f"node {node_id!r} is not registered with this cluster; register it first")
         self.node_id = node_id
 
 
 class NodeIdTaken(CoordinatorError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    """Another live node, on another host, holds the id."""
+
+
+class NodeBeingFenced(CoordinatorError):
+    """The node was declared dead and its fence is not committed yet: it may rejoin shortly."""
+
+    def __init__(self, node_id: str, why: str) -> None:
+        super().__init__(f"node {node_id!r} was declared dead ({why}) and is being fenced; "
+                         "retry shortly to rejoin as a spare")
+        self.node_id = node_id
 
 
 class StaleIncarnation(CoordinatorError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """A request from a process that is no longer the node's registered incarnation."""
 
 
 class NotLeader(CoordinatorError):
     """This replica is a standby (or a leader that could not confirm its lease)."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self, replica_id: str, leader_address: str, why: str = "is a standby") -> None:
         where = f"the leader is at {leader_address}" if leader_address else "no leader is known yet"
@@ -51,31 +73,66 @@ class NotLeader(CoordinatorError):
 class StateUnavailable(CoordinatorError):
     """The state store (etcd) could not be reached, so the change was not made."""
 
-    code = grpc.StatusCode.UNAVAILABLE
-
 
 class StateRejected(CoordinatorError):
     """etcd refused the change itself (e.g. its database is full); nothing was written."""
 
-    code = grpc.StatusCode.INTERNAL
-
 
 class CheckpointNotFound(CoordinatorError):
-    code = grpc.StatusCode.NOT_FOUND
+    """The catalog has no such step (or no such committed rank of it)."""
+
+    def __init__(self, job: str, step: int, rank: int | None = None) -> None:
+        what = f"job {job} has no checkpoint at step {step}" if rank is None else \
+            f"step {step} of job {job} has no committed rank {rank}"
+        super().__init__(what)
+        self.job, self.step, self.rank = job, step, rank
 
 
 class ShardExists(CoordinatorError):
     """A rank re-commits a step with other bytes: a step is never rewritten."""
-
-    code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class CatalogConflict(CoordinatorError):
     """The change contradicts the catalog (another world size, an invalid step, a rollback target
     that is not valid)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+
+class JobNotFound(CoordinatorError):
+    """No node has joined a round of the job yet."""
+
+    def __init__(self, job: str) -> None:
+        super().__init__(f"job {job} has not rendezvoused yet")
+        self.job = job
+
+
+class RoundConflict(CoordinatorError):
+    """The request is about a round that is over, or comes from a node that may not make it."""
+
+    def __init__(self, job: str, why: str) -> None:
+        super().__init__(why)
+        self.job = job
+
+
+GRPC_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NodeNotFound: grpc.StatusCode.NOT_FOUND,
+    NodeIdTaken: grpc.StatusCode.ALREADY_EXISTS,
+    NodeBeingFenced: grpc.StatusCode.UNAVAILABLE,  # retryable: the agent backs off and registers again
+    StaleIncarnation: grpc.StatusCode.FAILED_PRECONDITION,
+    NotLeader: grpc.StatusCode.UNAVAILABLE,
+    StateUnavailable: grpc.StatusCode.UNAVAILABLE,
+    StateRejected: grpc.StatusCode.INTERNAL,
+    CheckpointNotFound: grpc.StatusCode.NOT_FOUND,
+    ShardExists: grpc.StatusCode.ALREADY_EXISTS,
+    CatalogConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    JobNotFound: grpc.StatusCode.NOT_FOUND,
+    RoundConflict: grpc.StatusCode.FAILED_PRECONDITION,
+}
 
 
 def grpc_code(exc: BaseException) -> grpc.StatusCode:
-    return exc.code if isinstance(exc, CoordinatorError) else grpc.StatusCode.INTERNAL
+    """The status a client sees: the nearest class in :data:`GRPC_CODES`, else INTERNAL."""
+    for cls in type(exc).__mro__:
+        if issubclass(cls, CoordinatorError) and cls in GRPC_CODES:
+            return GRPC_CODES[cls]
+    return grpc.StatusCode.INTERNAL

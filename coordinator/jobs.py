@@ -1,22 +1,26 @@
 """The coordinator's side of the training job's rendezvous and hang handling: RPC translation plus
-guarded commits of :class:`~.rendezvous.JobState` (rules in :mod:`.rendezvous`)."""
+guarded commits of :class:`~.rendezvous.JobState` (rules in :mod:`.rendezvous`).
+
+It needs the leader's state (:class:`~.leader_state.LeaderState`) and three signals, passed in as
+callables so that it depends on neither the control loop nor the membership: a round started (for the
+recovery timing), push assignments to every agent, run the reconciliation tick now."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
 
+from ftd import rpc
 from ftd.checkpoints.layout import BadIdentifier, check_job
 from ftd.v1 import coordinator_pb2
 
 from . import errors
 from . import rendezvous as rules
 from .detector import State
+from .leader_state import LeaderState
 from .model import valid_node_id
-
-if TYPE_CHECKING:
-    from .control import Controller
 
 log = logging.getLogger("ftd.coordinator.jobs")
 _STATUS = {rules.READY: coordinator_pb2.RoundInfo.READY, rules.WAIT: coordinator_pb2.RoundInfo.WAIT,
@@ -27,7 +31,7 @@ def _job(job: str) -> str:
     try:
         return check_job(job)
     except BadIdentifier as exc:
-        raise errors.InvalidArgument("job", str(exc).split(": ", 1)[-1]) from exc
+        raise errors.InvalidArgument.naming(exc) from exc
 
 
 def _node(node_id: str) -> str:
@@ -45,65 +49,71 @@ def round_info(state: rules.JobState, reply: rules.Reply | None = None) -> coord
         restarts=state.restarts, max_restarts=state.max_restarts, spare=reply.spare if reply else False)
 
 
+def _existing(state: rules.JobState | None, job: str) -> rules.JobState:
+    if state is None:
+        raise errors.JobNotFound(job)
+    return state
+
+
 class JobKeeper:
-    def __init__(self, controller: Controller) -> None:
-        self.ctl = controller
+    def __init__(self, state: LeaderState, *, round_started: Callable[[int], None], push_all: Callable[[], None],
+                 wake: Callable[[], None], wall: Callable[[], float] = time.time) -> None:
+        self.state = state
+        self.round_started = round_started  # called with the step the new round restores from (-1: none)
+        self.push_all = push_all
+        self.wake = wake
+        self.wall = wall
         self._lock = asyncio.Lock()
 
     async def _save(self, before: rules.JobState | None, after: rules.JobState, event: str) -> None:
         if before == after:
             return
-        await self.ctl._commit("job", events=[("job", "", event)], kv_puts={rules.key(after.job): rules.encode(after)})
-        view = self.ctl.require_leader()
+        await self.state.commit("job", events=[("job", "", event)], kv_puts={rules.key(after.job): rules.encode(after)})
+        view = self.state.require_leader()
         view.jobs[after.job] = after
         if before is not None and after.round != before.round:
             newest = max((r.step for (j, _), r in view.catalog.items() if j == after.job and r.restorable), default=-1)
-            self.ctl.recovery.round_started(self.ctl.clock(), newest)
+            self.round_started(newest)
         if before is None or before.round != after.round or before.closed != after.closed:
             log.warning("job %s: round %d (%s)%s", after.job, after.round, after.round_reason,
                         f"; CLOSED: {after.closed_reason}" if after.closed else "")
-            self.ctl.push_all()
+            self.push_all()
 
     async def join(self, req: coordinator_pb2.JoinRoundRequest) -> coordinator_pb2.RoundInfo:
         job, node = _job(req.job), _node(req.node_id)
         async with self._lock:
-            view = self.ctl.require_leader()
+            view = self.state.require_leader()
             if node not in view.nodes:
                 raise errors.NodeNotFound(node)
             before = view.jobs.get(job)
             suspects = {n for n, v in view.verdicts.items() if v.state is not State.ALIVE}
-            state, reply = rules.join(before, job, view.world.epoch, view.world.ranks, node, req.last_round,
-                                      req.min_nodes or 1, req.max_restarts or 10, suspects)
+            state, reply = rules.join(self.wall(), before, job, view.world.epoch, view.world.ranks, node,
+                                      req.last_round, req.min_nodes or 1, req.max_restarts or 10, suspects)
             await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}")
             return round_info(state, reply)
 
     def get(self, job: str) -> coordinator_pb2.RoundInfo:
-        state = self.ctl.require_leader().jobs.get(_job(job))
-        if state is None:
-            raise errors.CheckpointNotFound(f"job {job} has not rendezvoused yet")
-        return round_info(state)
+        job = _job(job)
+        return round_info(_existing(self.state.require_leader().jobs.get(job), job))
 
     async def set_store(self, req: coordinator_pb2.SetRoundStoreRequest) -> coordinator_pb2.RoundInfo:
         job, node = _job(req.job), _node(req.node_id)
-        host, sep, port = req.address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise errors.InvalidArgument("address", f"{req.address[:100]!r} is not HOST:PORT")
+        try:
+            rpc.parse_hostport(req.address)
+        except ValueError:
+            raise errors.InvalidArgument("address", f"{req.address[:100]!r} is not HOST:PORT") from None
         async with self._lock:
-            before = self.ctl.require_leader().jobs.get(job)
-            if before is None:
-                raise errors.CheckpointNotFound(f"job {job} has not rendezvoused yet")
+            before = _existing(self.state.require_leader().jobs.get(job), job)
             after, error = rules.set_store(before, req.round, node, req.address)
             if error:
-                raise errors.CatalogConflict(error)
+                raise errors.RoundConflict(job, error)
             await self._save(before, after, f"{job} round {req.round}: store at {req.address}")
             return round_info(after)
 
     async def close(self, req: coordinator_pb2.CloseJobRequest) -> coordinator_pb2.RoundInfo:
         job = _job(req.job)
         async with self._lock:
-            before = self.ctl.require_leader().jobs.get(job)
-            if before is None:
-                raise errors.CheckpointNotFound(f"job {job} has not rendezvoused yet")
+            before = _existing(self.state.require_leader().jobs.get(job), job)
             after = rules.close(before, req.reason or "closed")
             await self._save(before, after, f"{job} closed: {after.closed_reason}")
             return round_info(after)
@@ -111,14 +121,14 @@ class JobKeeper:
     async def report_hang(self, req: coordinator_pb2.ReportHangRequest) -> coordinator_pb2.ReportHangResponse:
         job, node = _job(req.job), _node(req.node_id)
         async with self._lock:
-            view = self.ctl.require_leader()
+            view = self.state.require_leader()
             if node not in view.nodes:
                 raise errors.NodeNotFound(node)
             why = req.reason[:300] or "no training progress"
             if req.culprit:
                 view.forced_dead[node] = f"hung: {why}"
                 log.warning("node %s reported hung (%s): it will be fenced and replaced", node, why)
-                self.ctl.wake()
+                self.wake()
                 return coordinator_pb2.ReportHangResponse(action="fenced")
             state = view.jobs.get(job)
             if state is None or state.closed:
@@ -126,7 +136,7 @@ class JobKeeper:
             stalls = view.stalls.setdefault((job, state.round), set())
             stalls.add(node)
             if set(state.members) <= stalls:
-                after = rules.stall_restart(state, f"job stalled: no node made progress ({why})")
+                after = rules.stall_restart(self.wall(), state, f"job stalled: no node made progress ({why})")
                 await self._save(state, after, f"{job}: every node stalled; round {after.round}")
                 return coordinator_pb2.ReportHangResponse(action="job restarted")
             return coordinator_pb2.ReportHangResponse(action="noted")

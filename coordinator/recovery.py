@@ -1,8 +1,8 @@
 """Measures each recovery as it happens, for the metrics: from a node's last heartbeat to the job's
 first training step in the new world, split into detect / commit / rendezvous / resume.
 
-Fed by the control loop (a death committed), the job keeper (a round started) and the heartbeats
-(training progress); every input carries its ``now`` so the phases are computed without a clock of
+Fed by the membership (a death committed, training progress in heartbeats) and the job keeper (a round
+started); every input carries its ``now`` so the phases are computed without a clock of
 their own."""
 
 from __future__ import annotations

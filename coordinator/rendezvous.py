@@ -11,12 +11,13 @@ per job): which round a node joins, with which rank, and when the job is over.
   it (pytorch issue 147064). Past ``max_restarts`` the job is closed with the reason.
 * A node not in the world (a spare) **waits** and disturbs nobody; so does everybody while the world
   is smaller than ``min_nodes``, with the reason given.
+
+Every rule takes ``now_unix`` (wall-clock seconds, stamped on the round) instead of reading a clock.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -49,18 +50,20 @@ class Reply:
     spare: bool = False
 
 
-def _advance(state: JobState, epoch: int, world: Sequence[str], why: str, failure: bool) -> JobState:
+def _advance(now_unix: float, state: JobState, epoch: int, world: Sequence[str], why: str,
+             failure: bool) -> JobState:
     restarts = state.restarts + (1 if failure else 0)
     new = replace(state, round=state.round + 1, epoch=epoch, members=tuple(world), store_address="",
-                  restarts=restarts, round_reason=why, round_unix_s=time.time())
+                  restarts=restarts, round_reason=why, round_unix_s=now_unix)
     if restarts > state.max_restarts:
         new = replace(new, closed=True, closed_reason=f"restart budget of job {state.job} exhausted: {restarts} "
                                                       f"restarts > max_restarts {state.max_restarts} (last: {why})")
     return new
 
 
-def join(state: JobState | None, job: str, epoch: int, world: Sequence[str], node_id: str, last_round: int,
-         min_nodes: int, max_restarts: int, suspects: Collection[str] = ()) -> tuple[JobState, Reply]:
+def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: Sequence[str], node_id: str,
+         last_round: int, min_nodes: int, max_restarts: int,
+         suspects: Collection[str] = ()) -> tuple[JobState, Reply]:
     """One node asks to (re)join the job. Returns the job's new state and the answer.
 
     ``suspects``: nodes the detector currently suspects. A node whose workers failed because a peer
@@ -68,7 +71,7 @@ def join(state: JobState | None, job: str, epoch: int, world: Sequence[str], nod
     round that would count the same incident twice (once as a restart, once as a lost member)."""
     if state is None:
         state = JobState(job, round=0, epoch=epoch, members=tuple(world), max_restarts=max_restarts,
-                         min_nodes=max(1, min_nodes), round_unix_s=time.time())
+                         min_nodes=max(1, min_nodes), round_unix_s=now_unix)
     if state.closed:
         return state, Reply(CLOSED, state.closed_reason or f"job {job} is closed")
     if node_id not in world:
@@ -81,26 +84,27 @@ def join(state: JobState | None, job: str, epoch: int, world: Sequence[str], nod
         lost = [n for n in state.members if n not in world]
         why = (f"epoch {epoch}: {', '.join(lost)} left the world" if lost
                else f"epoch {epoch}: the world changed to {len(world)} node(s)")
-        state = _advance(state, epoch, world, why, failure=bool(lost))
+        state = _advance(now_unix, state, epoch, world, why, failure=bool(lost))
     elif world.index(node_id) == 0 and state.store_address and last_round < state.round:
         # The round's store host is joining again: the torchrun that hosted the store is gone, so is
         # the store. Everybody moves to a new round with a fresh store (not a new failure).
-        state = _advance(state, epoch, world, f"{node_id}, the store host of round {state.round}, restarted",
-                         failure=False)
+        state = _advance(now_unix, state, epoch, world,
+                         f"{node_id}, the store host of round {state.round}, restarted", failure=False)
     elif last_round >= state.round:
         suspected = sorted(set(state.members) & set(suspects))
         if suspected:
             return state, Reply(WAIT, f"round {state.round} failed while {', '.join(suspected)} is suspect: waiting "
                                       "for the coordinator's verdict before the job restarts")
-        state = _advance(state, epoch, world, f"{node_id} restarted after round {last_round}", failure=True)
+        state = _advance(now_unix, state, epoch, world, f"{node_id} restarted after round {last_round}",
+                         failure=True)
     if state.closed:
         return state, Reply(CLOSED, state.closed_reason)
     return state, Reply(READY, f"round {state.round} ({state.round_reason})", world.index(node_id), len(world))
 
 
-def stall_restart(state: JobState, reason: str) -> JobState:
+def stall_restart(now_unix: float, state: JobState, reason: str) -> JobState:
     """Every node of the round waits and nobody can be blamed: start a new round (counted)."""
-    return _advance(state, state.epoch, state.members, reason, failure=True)
+    return _advance(now_unix, state, state.epoch, state.members, reason, failure=True)
 
 
 def set_store(state: JobState, round_: int, node_id: str, address: str) -> tuple[JobState, str]:

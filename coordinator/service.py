@@ -1,4 +1,5 @@
-"""The coordinator's gRPC service: a thin translation between protobuf and :class:`~.control.Controller`.
+"""The coordinator's gRPC service: a thin translation between protobuf and the parts of
+:class:`~.control.Controller` (membership, jobs, catalog, queries).
 
 Errors are mapped once here (:func:`~.errors.grpc_code`); a standby's refusal carries the leader's
 address in the ``ftd-leader`` trailing metadata so clients can follow it.
@@ -20,7 +21,8 @@ from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2
 
 from . import errors
 from .client import LEADER_METADATA_KEY
-from .control import Controller, Stream
+from .control import Controller
+from .membership import ACK, Stream
 
 log = logging.getLogger("ftd.coordinator.service")
 T = TypeVar("T")
@@ -49,7 +51,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Register(self, request: coordinator_pb2.RegisterRequest,
                        context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RegisterResponse:
-        return await self._unary(context, lambda: self.ctl.register(request))
+        return await self._unary(context, lambda: self.ctl.membership.register(request))
 
     async def GetStatus(self, request: coordinator_pb2.GetStatusRequest,
                         context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ClusterStatus:
@@ -137,10 +139,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if first is EOF:
             return
         try:
-            stream = self.ctl.open_stream(first)
+            stream = self.ctl.membership.open_stream(first)
         except errors.CoordinatorError as exc:
             await _abort(context, exc)
-        stream.queue.put_nowait("ack")
+        stream.queue.put_nowait(ACK)
         reader = asyncio.create_task(self._read(stream, context))
         try:
             while True:
@@ -150,7 +152,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if item is None:
                     break
                 try:
-                    response = self.ctl.heartbeat_response(stream)
+                    response = self.ctl.membership.heartbeat_response(stream)
                 except errors.CoordinatorError as exc:
                     stream.close_error = exc
                     break
@@ -159,7 +161,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            self.ctl.close_stream(stream)
+            self.ctl.membership.close_stream(stream)
         if stream.close_error is not None:
             await _abort(context, stream.close_error)
 
@@ -170,12 +172,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if request is EOF:
                     break
                 try:
-                    self.ctl.on_heartbeat(stream, request)
+                    self.ctl.membership.on_heartbeat(stream, request)
                 except errors.CoordinatorError as exc:
                     stream.close(exc)
                     return
-                if self.ctl.ack_due(stream):
-                    stream.queue.put_nowait("ack")
+                if self.ctl.membership.ack_due(stream):
+                    stream.queue.put_nowait(ACK)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client went away mid-read
@@ -185,5 +187,3 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 def add_to_server(server: aio.Server, controller: Controller) -> None:
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(controller), server)
-
-

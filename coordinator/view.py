@@ -1,6 +1,6 @@
 """The leader's in-memory picture of the cluster: the durable state last committed to etcd plus what
-heartbeats say (liveness, health, progress). Only the control loop mutates it, and durable parts only
-after a commit succeeded.
+heartbeats say (liveness, health, progress). Only the leader's keepers (membership, job rounds, the
+checkpoint catalog) mutate it, and durable parts only after a commit succeeded.
 
 The functions that turn it into protobuf answers live here too, so the service layer stays a thin
 translation.

@@ -6,60 +6,61 @@ from ftd.agent.training import hang_check
 from ftd.coordinator import rendezvous as rdzv
 
 W = ("a", "b")
+NOW = 1_700_000_000.0  # wall-clock seconds: the rules read no clock of their own
 
 
 def test_first_round_and_stable_ranks() -> None:
-    state, reply = rdzv.join(None, "job", 2, W, "b", -1, 2, 10)
+    state, reply = rdzv.join(NOW, None, "job", 2, W, "b", -1, 2, 10)
     assert reply.status == rdzv.READY and reply.rank == 1 and reply.world_size == 2 and state.round == 0
-    state, reply = rdzv.join(state, "job", 2, W, "a", -1, 2, 10)
+    state, reply = rdzv.join(NOW, state, "job", 2, W, "a", -1, 2, 10)
     assert reply.rank == 0 and state.round == 0 and state.restarts == 0
 
 
 def test_a_spare_waits_without_disturbing_the_round() -> None:
-    state, _ = rdzv.join(None, "job", 2, W, "a", -1, 2, 10)
-    after, reply = rdzv.join(state, "job", 2, W, "s", -1, 2, 10)
+    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 10)
+    after, reply = rdzv.join(NOW, state, "job", 2, W, "s", -1, 2, 10)
     assert reply.status == rdzv.WAIT and reply.spare and "spare" in reply.message and after == state
 
 
 def test_promoted_spare_takes_the_dead_rank_in_a_new_round_counted_once() -> None:
-    state, _ = rdzv.join(None, "job", 2, W, "a", -1, 2, 10)
+    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 10)
     # b's workers failed when a died: it waits for the verdict instead of restarting the round.
-    same, reply = rdzv.join(state, "job", 2, W, "b", 0, 2, 10, suspects={"a"})
+    same, reply = rdzv.join(NOW, state, "job", 2, W, "b", 0, 2, 10, suspects={"a"})
     assert reply.status == rdzv.WAIT and "a is suspect" in reply.message and same == state
-    state, reply = rdzv.join(state, "job", 3, ("s", "b"), "s", -1, 2, 10)
+    state, reply = rdzv.join(NOW, state, "job", 3, ("s", "b"), "s", -1, 2, 10)
     assert reply.status == rdzv.READY and reply.rank == 0 and state.round == 1 and state.restarts == 1
     assert "a left the world" in state.round_reason
-    state, reply = rdzv.join(state, "job", 3, ("s", "b"), "b", 0, 2, 10)
+    state, reply = rdzv.join(NOW, state, "job", 3, ("s", "b"), "b", 0, 2, 10)
     assert reply.rank == 1 and state.round == 1 and state.restarts == 1
 
 
 def test_a_local_restart_starts_a_round_and_spends_the_job_budget() -> None:
-    state, _ = rdzv.join(None, "job", 2, W, "a", -1, 2, 1)
-    state, reply = rdzv.join(state, "job", 2, W, "a", 0, 2, 1)
+    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 1)
+    state, reply = rdzv.join(NOW, state, "job", 2, W, "a", 0, 2, 1)
     assert reply.status == rdzv.READY and state.round == 1 and state.restarts == 1
-    state, reply = rdzv.join(state, "job", 2, W, "b", 0, 2, 1)  # b follows into round 1: no extra count
+    state, reply = rdzv.join(NOW, state, "job", 2, W, "b", 0, 2, 1)  # b follows into round 1: no extra count
     assert state.round == 1 and state.restarts == 1
     # Leaving and rejoining does not reset the budget: it is the job's.
-    state, reply = rdzv.join(state, "job", 2, W, "b", 1, 2, 1)
+    state, reply = rdzv.join(NOW, state, "job", 2, W, "b", 1, 2, 1)
     assert reply.status == rdzv.CLOSED and "restart budget of job job exhausted" in reply.message
-    _, again = rdzv.join(state, "job", 2, W, "a", -1, 2, 1)
+    _, again = rdzv.join(NOW, state, "job", 2, W, "a", -1, 2, 1)
     assert again.status == rdzv.CLOSED
 
 
 def test_too_few_nodes_waits_and_says_why() -> None:
-    state, _ = rdzv.join(None, "job", 2, W, "a", -1, 2, 10)
-    _, reply = rdzv.join(state, "job", 3, ("b",), "b", 0, 2, 10)
+    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 10)
+    _, reply = rdzv.join(NOW, state, "job", 3, ("b",), "b", 0, 2, 10)
     assert reply.status == rdzv.WAIT and "needs at least 2" in reply.message
-    _, reply = rdzv.join(state, "job", 3, ("b",), "b", 0, 1, 10)  # asking for a lower MIN later
+    _, reply = rdzv.join(NOW, state, "job", 3, ("b",), "b", 0, 1, 10)  # asking for a lower MIN later
     # min_nodes is the job's (set by its first join): still 2 here.
     assert reply.status == rdzv.WAIT
-    shrinkable, _ = rdzv.join(None, "job2", 2, W, "a", -1, 1, 10)
-    shrunk, reply = rdzv.join(shrinkable, "job2", 3, ("b",), "b", 0, 1, 10)
+    shrinkable, _ = rdzv.join(NOW, None, "job2", 2, W, "a", -1, 1, 10)
+    shrunk, reply = rdzv.join(NOW, shrinkable, "job2", 3, ("b",), "b", 0, 1, 10)
     assert reply.status == rdzv.READY and reply.world_size == 1 and shrunk.round == 1
 
 
 def test_store_only_from_rank_0_of_the_current_round() -> None:
-    state, _ = rdzv.join(None, "job", 2, W, "a", -1, 2, 10)
+    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 10)
     _, error = rdzv.set_store(state, 0, "b", "h:1")
     assert "only rank 0 (a)" in error
     _, error = rdzv.set_store(state, 5, "a", "h:1")
@@ -82,8 +83,17 @@ def test_hang_check() -> None:
 
 
 def test_a_restarted_store_host_moves_everyone_to_a_fresh_round() -> None:
-    state, _ = rdzv.join(None, "job", 2, W, "a", -1, 2, 10)
+    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 10)
     state, _ = rdzv.set_store(state, 0, "a", "h:1")
-    state, reply = rdzv.join(state, "job", 2, W, "a", -1, 2, 10)  # a's torchrun came back
+    state, reply = rdzv.join(NOW, state, "job", 2, W, "a", -1, 2, 10)  # a's torchrun came back
     assert reply.status == rdzv.READY and state.round == 1 and state.store_address == ""
     assert state.restarts == 0 and "store host of round 0" in state.round_reason
+
+
+def test_rounds_are_stamped_with_the_given_time() -> None:
+    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 10)
+    assert state.round_unix_s == NOW
+    state, _ = rdzv.join(NOW + 5, state, "job", 3, ("a", "c"), "a", 0, 2, 10)
+    assert state.round == 1 and state.round_unix_s == NOW + 5
+    stalled = rdzv.stall_restart(NOW + 9, state, "job stalled")
+    assert stalled.round == 2 and stalled.round_unix_s == NOW + 9 and stalled.restarts == state.restarts + 1

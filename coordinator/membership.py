@@ -1,0 +1,246 @@
+"""Who is in the cluster: registration, heartbeat streams, and the detect → plan → commit tick.
+
+* Heartbeats touch memory only (:class:`~.detector.Liveness`); etcd sees membership changes only.
+* Decisions are pure functions (:func:`~.admission.decide_registration`, :func:`~.detector.judge`,
+  :func:`~.placement.plan`); this class feeds them the clocks and the view, commits what they
+  decided through :class:`~.leader_state.LeaderState`, and only then believes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ftd.logs import set_identity
+from ftd.v1 import coordinator_pb2
+
+from . import errors
+from .admission import check_heartbeat, decide_registration, validate_register
+from .detector import Liveness, State, Verdict, judge
+from .leader_state import LeaderState
+from .metrics import CoordinatorMetrics
+from .placement import plan
+from .recovery import RecoveryTracker
+from .settings import CoordinatorSettings
+from .store import StaleStateError
+from .view import ClusterView, Runtime
+
+log = logging.getLogger("ftd.coordinator")
+
+ACK, PUSH = "ack", "push"
+
+
+@dataclass(eq=False)
+class Stream:
+    """One agent's open heartbeat stream. The handler writes whenever ``queue`` yields; ``None``
+    closes the stream, with ``close_error`` as its status if set."""
+
+    node_id: str
+    incarnation: str
+    queue: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
+    sent_epoch: int = -1
+    last_write: float = -1e9  # monotonic time of the last answer written
+    close_error: errors.CoordinatorError | None = None
+
+    def close(self, error: errors.CoordinatorError | None = None) -> None:
+        self.close_error = error
+        self.queue.put_nowait(None)
+
+
+class Membership:
+    def __init__(self, state: LeaderState, settings: CoordinatorSettings, metrics: CoordinatorMetrics,
+                 wake: Callable[[], None], clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.state = state
+        self.settings = settings
+        self.metrics = metrics
+        self.wake = wake  # runs the next tick now
+        self.clock = clock  # monotonic: liveness, detection, recovery timing
+        self.wall = wall  # unix time: registration and fence records
+        self.streams: dict[str, Stream] = {}
+        self.recovery = RecoveryTracker()
+        self.changed = False  # membership changed since the gauges were last published
+        self._lock = asyncio.Lock()
+        self._last_judged: float | None = None
+
+    def new_term(self) -> None:
+        """A new leadership term: the first judgement has no previous one to measure a stall from."""
+        self._last_judged = None
+
+    # ---- registration ------------------------------------------------------------------------
+
+    async def register(self, req: coordinator_pb2.RegisterRequest) -> coordinator_pb2.RegisterResponse:
+        validate_register(req)
+        async with self._lock:
+            view = self.state.require_leader()
+            now = self.clock()
+            decision = decide_registration(view, req, self.wall())
+            if isinstance(decision, errors.CoordinatorError):
+                raise decision
+            if decision.record is None:
+                return coordinator_pb2.RegisterResponse(assignment=view.assignment(req.node_id, True),
+                                                        message=decision.message)
+            message = decision.message
+            event = ("node_registered", req.node_id, f"{req.node_id} on {req.host}: {message}")
+            await self.state.commit("register", nodes=[decision.record], events=[event])
+            view.liveness[req.node_id] = Liveness(last_seen=now)
+            view.runtime[req.node_id] = Runtime(incarnation=req.incarnation)
+            view.verdicts.pop(req.node_id, None)
+            old = self.streams.pop(req.node_id, None)
+            if old is not None and old.incarnation != req.incarnation:
+                old.close(errors.StaleIncarnation(f"node {req.node_id} re-registered as a new incarnation"))
+            log.info("node %s registered from %s (%s)", req.node_id, req.host, message)
+            self.changed = True
+            self.wake()
+            return coordinator_pb2.RegisterResponse(assignment=view.assignment(req.node_id, True), message=message)
+
+    # ---- heartbeats (the hot path: memory only) ----------------------------------------------
+
+    def open_stream(self, req: coordinator_pb2.HeartbeatRequest) -> Stream:
+        view = self.state.require_leader()
+        node = check_heartbeat(view, req)
+        stream = Stream(req.node_id, req.incarnation)
+        old = self.streams.get(req.node_id)
+        if old is not None:
+            old.close()
+        self.streams[req.node_id] = stream
+        self.metrics.heartbeat_streams.set(len(self.streams))
+        live = view.liveness.setdefault(node.node_id, Liveness(last_seen=self.clock()))
+        live.connected, live.disconnected_at = True, None
+        self.on_heartbeat(stream, req)
+        return stream
+
+    def on_heartbeat(self, stream: Stream, req: coordinator_pb2.HeartbeatRequest) -> None:
+        view = self.state.require_leader()
+        if req.node_id != stream.node_id:
+            raise errors.InvalidArgument("node_id", f"changed within one stream ({stream.node_id} -> {req.node_id})")
+        if req.incarnation != stream.incarnation:
+            raise errors.InvalidArgument("incarnation", f"changed within the stream of node {stream.node_id}")
+        live = view.liveness.get(req.node_id)
+        runtime = view.runtime.get(req.node_id)
+        if live is None or runtime is None:
+            raise errors.NodeNotFound(req.node_id)
+        now = self.clock()
+        live.last_seen = now
+        live.connected, live.disconnected_at = True, None
+        live.grace_until = 0.0  # proven alive on this leader: from now on silence is evidence again
+        runtime.last_heartbeat = now
+        runtime.known_epoch = req.known_epoch
+        runtime.seq = req.seq
+        if req.HasField("health"):
+            runtime.health = req.health
+        if req.HasField("progress"):
+            runtime.progress = req.progress
+            if self.recovery.open is not None:
+                self._recovery_progress(now, req.progress.step)
+        self.metrics.heartbeats.inc()
+
+    def _recovery_progress(self, now: float, step: int) -> None:
+        done = self.recovery.progress(now, step)
+        if done is not None:
+            self.metrics.recovery.observe(done.total_s)
+            for phase, seconds in done.phases.items():
+                self.metrics.recovery_phase.labels(phase).observe(seconds)
+            log.warning("recovered: training steps again %.2fs after the node's last heartbeat (%s)",
+                        done.total_s, ", ".join(f"{k} {v:.2f}s" for k, v in done.phases.items()))
+
+    def round_started(self, restore_step: int) -> None:
+        """The job started a round (after a death, it is the recovery's rendezvous phase ending)."""
+        self.recovery.round_started(self.clock(), restore_step)
+
+    def ack_due(self, stream: Stream) -> bool:
+        """Answer a heartbeat only every ``heartbeat_ack_interval_s`` (or on news): each answer costs
+        the leader as much as the heartbeat itself, and epoch changes are pushed anyway."""
+        view = self.state.view
+        if view is None or stream.sent_epoch != view.world.epoch:
+            return True
+        return self.clock() - stream.last_write >= self.settings.heartbeat_ack_interval_s
+
+    def heartbeat_response(self, stream: Stream) -> coordinator_pb2.HeartbeatResponse:
+        view = self.state.require_leader()
+        stream.last_write = self.clock()
+        with_world = stream.sent_epoch != view.world.epoch
+        stream.sent_epoch = view.world.epoch
+        return coordinator_pb2.HeartbeatResponse(assignment=view.assignment(stream.node_id, with_world),
+                                                 leader_id=self.settings.effective_replica_id)
+
+    def close_stream(self, stream: Stream) -> None:
+        if self.streams.get(stream.node_id) is stream:
+            del self.streams[stream.node_id]
+            self.metrics.heartbeat_streams.set(len(self.streams))
+            view = self.state.view
+            if view is not None and stream.node_id in view.liveness:
+                live = view.liveness[stream.node_id]
+                live.connected, live.disconnected_at = False, self.clock()
+
+    def close_streams(self, error: errors.CoordinatorError | None) -> None:
+        """Drops every stream, so agents cannot keep a deposed leader's picture alive."""
+        for stream in list(self.streams.values()):
+            stream.close(error)
+        self.streams.clear()
+        self.metrics.heartbeat_streams.set(0)
+
+    def push_all(self) -> None:
+        """Sends every connected agent its assignment now (an epoch or a job round changed)."""
+        for stream in self.streams.values():
+            stream.queue.put_nowait(PUSH)
+
+    # ---- detection and reconciliation --------------------------------------------------------
+
+    async def tick(self) -> None:
+        """Judges every node, then commits the placement's next step, if any."""
+        async with self._lock:
+            view = self.state.require_leader()
+            now = self.clock()
+            self._judge(view, now)
+            step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
+                        self.settings.max_fences_per_epoch)
+            if step is None:
+                return
+            try:
+                await self.state.commit("epoch" if step.world else "fence", nodes=step.nodes, world=step.world,
+                                        events=step.events)
+            except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
+                self.changed = True  # publish the gauges now: they show what the leader could not fix
+                return
+            for node_id in step.dead:
+                self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
+                self.metrics.nodes_declared_dead.inc()
+                log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
+                if step.world is not None and view.current_job() is not None:  # training was interrupted
+                    self.recovery.death_committed(self.clock(), view.verdicts[node_id].silent_s, now)
+            self.changed = True
+            if step.world is not None:
+                self.metrics.epoch_changes.inc()
+                set_identity(epoch=step.world.epoch)
+                size = len(step.world.ranks)
+                shown = list(step.world.ranks) if size <= 16 else f"of {size} ranks"
+                log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
+                self.push_all()
+
+    def _judge(self, view: ClusterView, now: float) -> None:
+        detector = self.settings.detector
+        judgement = judge(now, view.liveness, detector, self._last_judged)
+        self._last_judged = now
+        if judgement.stalled:
+            self.metrics.stalls.inc()
+            log.warning("%s; granting every node %.1fs of grace", judgement.stall_reason, detector.dead_after_s)
+            for live in view.liveness.values():
+                live.grace_until = max(live.grace_until, now + detector.dead_after_s)
+        for node_id, verdict in judgement.verdicts.items():
+            before = view.verdicts.get(node_id)
+            if (before is None or before.state is not verdict.state) and not (
+                    before is None and verdict.state is State.ALIVE):
+                node = view.nodes.get(node_id)
+                if node is not None and not node.fenced:
+                    log.info("node %s is %s: %s", node_id, verdict.state.value, verdict.reason)
+        view.verdicts = dict(judgement.verdicts)
+        for node_id, why in list(view.forced_dead.items()):
+            node = view.nodes.get(node_id)
+            if node is None or node.fenced:
+                del view.forced_dead[node_id]
+            else:
+                view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
