@@ -6,11 +6,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftd.etcd_client import parse_endpoints
+from ftd.rpc import parse_hostport
 from ftd.settings import require, setting
 
 from .detector import DetectorSettings
-from ftd.etcd_client import parse_endpoints
-from ftd.rpc import parse_hostport
 
 ENV_PREFIX = "FTD_COORDINATOR_"
 

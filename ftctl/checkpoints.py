@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 from rich.console import Console
 
-from ftd.coordinator.client import CoordinatorClient
 from ftd import rpc
+from ftd.coordinator.client import CoordinatorClient
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 

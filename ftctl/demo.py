@@ -20,14 +20,13 @@ from ftd.testing import wait_for
 from ftd.v1 import checkpoint_pb2
 
 from . import drill, localcluster
+from .json_shapes import status_dict
 
 
 def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool = False, say: Any = print,
              steps: int = 100000, ckpt_every: int = 10, warmup_steps: int = 30, s3_endpoint: str = "",
              timeout_s: float = 150.0) -> dict[str, Any]:
     """Returns ``{"drill", "checkpoints", "status_before", "status_after", "timeline", "workdir"}``."""
-    from .cli import status_dict  # the CLI owns the JSON shapes
-
     temp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="ftd-demo-")) if workdir is None else workdir.resolve()
     started = time.monotonic()

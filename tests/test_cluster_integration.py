@@ -79,11 +79,13 @@ def test_kill_active_agent_spare_takes_its_rank_and_fenced_node_returns_as_spare
 def test_world_shrinks_without_spare_and_status_says_so(local_cluster: ClusterFile) -> None:
     client = CoordinatorClient(local_cluster.coordinator_endpoints)
     try:
+        # The actives may have been admitted in one commit or two: compare with the epoch found.
+        formed = wait_for(lambda: list((s := client.status()).world) == ["node-0", "node-1"] and s, 10, "world formed")
         os.kill(agent_pid(local_cluster, "node-2"), signal.SIGKILL)  # the only spare
         wait_for(lambda: "node-2" in client.status().dead, 10, "spare declared dead")
-        assert client.status().epoch == 2, "a dead spare does not change the world"
+        assert client.status().epoch == formed.epoch, "a dead spare does not change the world"
         os.kill(agent_pid(local_cluster, "node-1"), signal.SIGKILL)
-        status = wait_for(lambda: (s := client.status()).epoch == 3 and s, 10, "epoch 3")
+        status = wait_for(lambda: (s := client.status()).epoch == formed.epoch + 1 and s, 10, "the next epoch")
         assert list(status.world) == ["node-0"] and status.degraded
         assert "1 of 2 ranks" in status.degraded_reason
         assert "no spare" in status.last_change_reason
@@ -95,6 +97,8 @@ def test_bad_input_gets_precise_grpc_errors(local_cluster: ClusterFile) -> None:
     client = CoordinatorClient(local_cluster.coordinator_endpoints)
     stub = client.stub()
     try:
+        formed = wait_for(lambda: list((s := client.status()).world) == ["node-0", "node-1"] and s, 10, "world formed")
+
         def heartbeat_error(req: coordinator_pb2.HeartbeatRequest) -> grpc.RpcError:
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Heartbeat(iter([req]), timeout=5))
@@ -129,7 +133,7 @@ def test_bad_input_gets_precise_grpc_errors(local_cluster: ClusterFile) -> None:
         assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "limit" in bad.value.details()
         # Nothing valid was lost on the way.
         assert {n.node_id for n in client.nodes().nodes} == {"node-0", "node-1", "node-2"}
-        assert client.status().epoch == 2
+        assert client.status().epoch == formed.epoch
     finally:
         client.close()
 
@@ -168,6 +172,13 @@ def test_metrics_endpoints(local_cluster: ClusterFile) -> None:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             return str(resp.read().decode())
 
+    client = CoordinatorClient(local_cluster.coordinator_endpoints)
+    try:
+        epoch = wait_for(lambda: list((s := client.status()).world) == ["node-0", "node-1"] and s, 10,
+                         "world formed").epoch
+    finally:
+        client.close()
+
     # Gauges are refreshed once a second and on every change.
     def published() -> str | None:
         text = scrape(local_cluster.coordinators[0].info["metrics"])
@@ -175,11 +186,15 @@ def test_metrics_endpoints(local_cluster: ClusterFile) -> None:
 
     coordinator = wait_for(published, 5, "gauges published")
     for name in ("ftd_coordinator_nodes{state=\"alive\"} 3.0", "ftd_coordinator_heartbeats_received_total",
-                 "ftd_coordinator_detection_latency_seconds_bucket", "ftd_coordinator_epoch 2.0",
+                 "ftd_coordinator_detection_latency_seconds_bucket", f"ftd_coordinator_epoch {epoch}.0",
                  "ftd_coordinator_is_leader 1.0", "ftd_coordinator_etcd_errors_total",
                  "ftd_coordinator_etcd_writes_total"):
         assert name in coordinator, name
-    agent = scrape(local_cluster.agents[0].info["metrics"])
-    for name in ("ftd_agent_heartbeats_sent_total", "ftd_agent_connected 1.0", "ftd_agent_epoch 2.0",
+    def agent_epoch() -> str | None:
+        text = scrape(local_cluster.agents[0].info["metrics"])
+        return text if f"ftd_agent_epoch {epoch}.0" in text else None
+
+    agent = wait_for(agent_epoch, 5, "the agent acting on the current epoch")
+    for name in ("ftd_agent_heartbeats_sent_total", "ftd_agent_connected 1.0",
                  'ftd_agent_disk_free_bytes{tier="ssd"}'):
         assert name in agent, name

@@ -1,0 +1,36 @@
+"""The JSON shapes of ftctl's output (``--json``, the demo's report): one definition, used by every
+command that prints a status or a node, so scripts reading them see one format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import json_format
+
+from ftd.v1 import cluster_pb2
+
+
+def status_dict(status: Any) -> dict[str, Any]:
+    return {
+        "leader": status.leader_id, "leader_address": status.leader_address, "epoch": status.epoch,
+        "world": list(status.world), "target_world_size": status.target_world_size,
+        "spares": list(status.spares), "dead": list(status.dead), "suspect": list(status.suspect),
+        "degraded": status.degraded, "degraded_reason": status.degraded_reason,
+        "last_change_reason": status.last_change_reason, "last_change_unix_s": status.last_change_unix_s,
+        "etcd_reachable": status.etcd_reachable,
+        "job": {"id": status.job, "round": status.job_round, "restarts": status.job_restarts,
+                "max_restarts": status.job_max_restarts, "closed": status.job_closed, "message": status.job_message,
+                "round_unix_s": status.job_round_unix_s} if status.job else None,
+    }
+
+
+def node_dict(n: Any) -> dict[str, Any]:
+    return {
+        "node_id": n.node_id, "host": n.host, "pid": n.pid,
+        "role": "active" if n.role == cluster_pb2.ROLE_ACTIVE else "spare",
+        "state": cluster_pb2.NodeState.Name(n.state).removeprefix("NODE_STATE_").lower(),
+        "rank": n.rank, "epoch": n.epoch, "last_heartbeat_age_s": round(n.last_heartbeat_age_s, 3),
+        "labels": dict(n.labels), "agent_address": n.agent_address, "state_reason": n.state_reason,
+        "step": n.progress.step if n.HasField("progress") else None,
+        "health": json_format.MessageToDict(n.health, preserving_proto_field_name=True),
+    }
