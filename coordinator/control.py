@@ -135,7 +135,8 @@ class Controller:
             leader = await self.calls.lease("current_leader", self.store.current_leader)
             if leader is None:
                 lease = await self.calls.lease("campaign", self.store.campaign,
-                                               self.replica_id, self.address, self.settings.leader_ttl_s)
+                                               self.replica_id, self.address, self.settings.leader_ttl_s,
+                                               self.committer.wall())
                 if lease is not None:
                     await self._become_leader(lease)
                     return

@@ -184,8 +184,8 @@ class EtcdStore:
         value, _ = self._call("current_leader", lambda: self._lease.get(self.keys.leader))
         return decode_leader(self.keys.leader, value) if value is not None else None
 
-    def campaign(self, replica_id: str, address: str, ttl_s: int) -> Lease | None:
-        info = new_leader_info(replica_id, address)
+    def campaign(self, replica_id: str, address: str, ttl_s: int, now_unix: float) -> Lease | None:
+        info = new_leader_info(replica_id, address, now_unix)
         grant = self._call("campaign", lambda: self._lease.lease(ttl_s))
         won, _ = self._call(
             "campaign",

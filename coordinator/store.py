@@ -119,7 +119,7 @@ class StateStore(Protocol):
 
     def current_leader(self) -> LeaderInfo | None: ...
 
-    def campaign(self, replica_id: str, address: str, ttl_s: int) -> Lease | None: ...
+    def campaign(self, replica_id: str, address: str, ttl_s: int, now_unix: float) -> Lease | None: ...
 
     def keep_alive(self, lease: Lease) -> bool: ...
 
@@ -128,8 +128,8 @@ class StateStore(Protocol):
     def close(self) -> None: ...
 
 
-def new_leader_info(replica_id: str, address: str) -> LeaderInfo:
-    return LeaderInfo(replica_id, address, time.time(), uuid.uuid4().hex)
+def new_leader_info(replica_id: str, address: str, now_unix: float) -> LeaderInfo:
+    return LeaderInfo(replica_id, address, now_unix, uuid.uuid4().hex)
 
 
 @dataclass
@@ -233,12 +233,12 @@ class MemoryStore:
             self._check("current_leader")
             return self._leader.lease.leader if self._leader else None
 
-    def campaign(self, replica_id: str, address: str, ttl_s: int) -> Lease | None:
+    def campaign(self, replica_id: str, address: str, ttl_s: int, now_unix: float) -> Lease | None:
         with self._lock:
             self._check("campaign")
             if self._leader is not None:
                 return None
-            lease = Lease(self._next_lease, ttl_s, new_leader_info(replica_id, address))
+            lease = Lease(self._next_lease, ttl_s, new_leader_info(replica_id, address, now_unix))
             self._next_lease += 1
             self._leader = _MemLease(lease, self.clock() + ttl_s)
             self.writes += 1

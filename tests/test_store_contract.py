@@ -14,6 +14,8 @@ from ftd.coordinator.model import Event, Fence, NodeRecord, Role, World
 from ftd.coordinator.store import Guard, MemoryStore, StaleStateError, StateStore
 from ftd.ftctl.etcd_server import EtcdCluster
 
+NOW = 1_800_000_000.0
+
 
 @pytest.fixture(params=["memory", "etcd"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
@@ -43,21 +45,21 @@ def test_empty_store_has_no_world_and_no_leader(store: StateStore) -> None:
 
 
 def test_campaign_is_exclusive_until_resign(store: StateStore) -> None:
-    a = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    a = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert a is not None
-    assert store.campaign("b", "127.0.0.1:2", ttl_s=5) is None
+    assert store.campaign("b", "127.0.0.1:2", ttl_s=5, now_unix=NOW) is None
     assert store.current_leader() == a.leader
     assert store.keep_alive(a)
     store.resign(a)
     assert store.current_leader() is None
     assert not store.keep_alive(a)
-    b = store.campaign("b", "127.0.0.1:2", ttl_s=5)
+    b = store.campaign("b", "127.0.0.1:2", ttl_s=5, now_unix=NOW)
     assert b is not None and b.leader.replica_id == "b"
     assert b.leader.token != a.leader.token
 
 
 def test_commit_roundtrips_nodes_world_and_events(store: StateStore) -> None:
-    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert lease is not None
     n1 = node("n1", labels={"rack": "r1"}, pid=42, incarnation="x")
     n2 = node("n2", Role.SPARE).with_fence(Fence(3, "no heartbeat for 2.6s", 1.5))
@@ -75,7 +77,7 @@ def test_commit_roundtrips_nodes_world_and_events(store: StateStore) -> None:
 
 
 def test_world_commit_is_guarded_by_the_previous_revision(store: StateStore) -> None:
-    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert lease is not None
     first = store.commit(Guard(lease.leader, 0), world=World(epoch=1, ranks=("n1",), target_size=1))
     # A second writer that read revision 0 must lose, and write nothing.
@@ -89,10 +91,10 @@ def test_world_commit_is_guarded_by_the_previous_revision(store: StateStore) -> 
 
 
 def test_a_deposed_leader_cannot_commit(store: StateStore) -> None:
-    a = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    a = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert a is not None
     store.resign(a)
-    b = store.campaign("b", "127.0.0.1:2", ttl_s=5)
+    b = store.campaign("b", "127.0.0.1:2", ttl_s=5, now_unix=NOW)
     assert b is not None
     with pytest.raises(StaleStateError):
         store.commit(Guard(a.leader, 0), nodes=[node("n1")])
@@ -104,7 +106,7 @@ def test_a_deposed_leader_cannot_commit(store: StateStore) -> None:
 
 
 def test_node_only_commit_does_not_move_the_world_revision(store: StateStore) -> None:
-    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert lease is not None
     rev = store.commit(Guard(lease.leader, 0), world=World(epoch=1, ranks=("n1",))).world_revision
     res = store.commit(Guard(lease.leader), nodes=[node("n9")])
@@ -113,7 +115,7 @@ def test_node_only_commit_does_not_move_the_world_revision(store: StateStore) ->
 
 
 def test_events_are_pruned_below_a_sequence(store: StateStore) -> None:
-    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert lease is not None
     evs = [Event(seq=i, at_unix_s=float(i), kind="k", message=f"m{i}") for i in range(1, 8)]
     store.commit(Guard(lease.leader), events=evs)
@@ -125,7 +127,7 @@ def test_events_are_pruned_below_a_sequence(store: StateStore) -> None:
 
 
 def test_rewriting_a_node_replaces_it(store: StateStore) -> None:
-    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert lease is not None
     n = node("n1")
     store.commit(Guard(lease.leader), nodes=[n])
@@ -137,7 +139,7 @@ def test_rewriting_a_node_replaces_it(store: StateStore) -> None:
 def test_a_commit_over_the_transaction_limit_is_rejected_and_writes_nothing(store: StateStore) -> None:
     from ftd.coordinator.store import MAX_TXN_OPS, StoreRejected, commit_ops
 
-    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert lease is not None
     too_many = [node(f"n{i}") for i in range(MAX_TXN_OPS)]
     assert commit_ops(len(too_many), 0, False) > MAX_TXN_OPS
@@ -151,7 +153,7 @@ def test_a_commit_over_the_transaction_limit_is_rejected_and_writes_nothing(stor
 
 
 def test_kv_records_roundtrip_delete_and_refuse_escaping_keys(store: StateStore) -> None:
-    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5)
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=NOW)
     assert lease is not None
     store.commit(Guard(lease.leader), kv_puts={"ckpt/j/1/meta": b"m1", "ckpt/j/1/rank-00000": b"r0"})
     assert store.load().kv == {"ckpt/j/1/meta": b"m1", "ckpt/j/1/rank-00000": b"r0"}
