@@ -1,7 +1,10 @@
 """Local health sampling: free space on the tier directories, and GPUs through NVML when present.
 
-NVML is optional (``pip install ftd[gpu]``): on a node without it, or without a driver, the GPU part
-is simply absent from the heartbeat rather than reported as zero GPUs.
+NVML's bindings (``nvidia-ml-py``, import name ``pynvml``) are a core dependency, so every install can
+sample GPUs; on a node without an NVIDIA driver ``nvmlInit`` fails once, the probe logs "GPU health
+off" and the GPU part is simply absent from the heartbeat (and no ``ftd_agent_gpu_*`` series exist)
+rather than reported as zero GPUs. On a GPU node every device is sampled, one value per device, which
+the daemon publishes as one ``ftd_agent_gpu_utilization_ratio{gpu="<index>"}`` series per GPU.
 """
 
 from __future__ import annotations

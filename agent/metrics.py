@@ -1,8 +1,17 @@
-"""The agent's Prometheus metrics (``ftd_agent_*``)."""
+"""The agent's Prometheus metrics (``ftd_agent_*``), and the little bookkeeping some of them need
+(:meth:`AgentMetrics.observe_save_done`, :meth:`AgentMetrics.observe_flops`) so that the daemon only
+forwards events."""
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .mfu import MfuMeter
+
+# How many of the newest saves the save-size gauge looks at (their largest total is published).
+SAVE_SIZE_WINDOW = 3
 
 
 class AgentMetrics:
@@ -16,6 +25,8 @@ class AgentMetrics:
         self.epoch = Gauge("ftd_agent_epoch", "Epoch of the node's current assignment", registry=r)
         self.rank = Gauge("ftd_agent_rank", "Rank of the node in the current world (-1: spare)", registry=r)
         self.disk_free = Gauge("ftd_agent_disk_free_bytes", "Free bytes on a tier directory", ["tier"], registry=r)
+        # One series per GPU (label gpu = the NVML index), so that alerts can judge each GPU: a node
+        # average hides one idle GPU among eight.
         self.gpu_utilization = Gauge("ftd_agent_gpu_utilization_ratio", "GPU utilisation (0..1) from NVML",
                                      ["gpu"], registry=r)
         self.bytes_written = Counter("ftd_agent_checkpoint_bytes_written_total",
@@ -45,9 +56,44 @@ class AgentMetrics:
                                  buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200))
         self.save_in_progress = Gauge("ftd_agent_checkpoint_save_in_progress_seconds",
                                       "Age of the oldest save in flight on this node (0: none)", registry=r)
+        # FtdTierSpaceLow compares each tier's free bytes with twice this (the next two saves).
+        self.save_bytes = Gauge("ftd_agent_checkpoint_save_bytes",
+                                "Bytes of one complete save of this node (all its ranks' shards of a step; the "
+                                f"largest of the newest {SAVE_SIZE_WINDOW} saves; 0: none yet)", registry=r)
         self.training_steps = Counter("ftd_agent_training_steps_total", "Training steps completed", registry=r)
         self.training_loss = Gauge("ftd_agent_training_loss", "Latest loss reported by the workers", registry=r)
         self.grad_norm = Gauge("ftd_agent_training_grad_norm", "Latest gradient norm reported by the workers",
                                registry=r)
         self.training_step = Gauge("ftd_agent_training_step", "Latest training step reported by the workers",
                                    registry=r)
+        self.training_mfu = Gauge("ftd_agent_training_mfu_ratio",
+                                  "Model FLOPs utilisation (0..1) of the latest steps: reported flops per step / "
+                                  "(step time x peak FLOP/s of one GPU); 0: unknown", registry=r)
+        self.training_mfu_floor = Gauge("ftd_agent_training_mfu_floor_ratio",
+                                        "The configured MFU floor (FtdMfuLow fires below it); 0: no floor",
+                                        registry=r)
+        self._mfu = MfuMeter()
+        self._save_totals: dict[int, int] = {}
+        self._save_lock = threading.Lock()
+
+    def configure_mfu(self, peak_flops_per_gpu: float, floor_ratio: float) -> None:
+        """The peak FLOP/s of one GPU (0: unknown, no MFU) and the alert's floor (0: none), from settings."""
+        self._mfu.peak_flops = peak_flops_per_gpu
+        self.training_mfu_floor.set(floor_ratio)
+
+    def observe_flops(self, step: int, at_s: float, flops: float) -> float | None:
+        """A progress report carrying ``Progress.flops``; sets the MFU gauge when a value results."""
+        value = self._mfu.observe(step, at_s, flops)
+        if value is not None:
+            self.training_mfu.set(value)
+        return value
+
+    def observe_save_done(self, step: int, nbytes: int) -> None:
+        """One rank's shard of ``step`` is on the SSD: adds it to the step's total and publishes the
+        largest total of the newest saves (a step still completing must not lower it)."""
+        with self._save_lock:
+            totals = self._save_totals
+            totals[step] = totals.get(step, 0) + nbytes
+            while len(totals) > SAVE_SIZE_WINDOW:  # the oldest by arrival (steps go back after a rollback)
+                del totals[next(iter(totals))]
+            self.save_bytes.set(max(totals.values()))

@@ -2,7 +2,9 @@
 
 The static tests check the structure Grafana needs (schema version, uid, the data source variable, ids,
 layout, targets). The live test starts a real local cluster and checks every metric the dashboard
-queries against what the coordinator and the agents actually serve on /metrics.
+queries against what the coordinator and the agents actually serve on /metrics. The only other
+metrics allowed are NVIDIA DCGM exporter's (EXTERNAL), which the optional manifest
+deploy/kubernetes/optional/dcgm-exporter.yaml must be configured to collect.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftd.ftctl.localcluster import ClusterFile
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "ftd-dashboard.json"
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy" / "grafana" / "ftd-dashboard.json"
+DCGM_MANIFEST = ROOT / "deploy" / "kubernetes" / "optional" / "dcgm-exporter.yaml"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 ROWS = ["Cluster state", "Recovery", "Checkpoints & tiers", "Training"]
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -43,7 +48,8 @@ EXPORTED = {
     "ftd_agent_checkpoint_save_in_progress_seconds", "ftd_agent_checkpoint_bytes_written_total",
     "ftd_agent_checkpoint_save_failures_total", "ftd_agent_checkpoint_last_valid_step",
     "ftd_agent_tier_migrations_total", "ftd_agent_tier_errors_total", "ftd_agent_tier_retention_deleted_total",
-    "ftd_agent_tier_lag_steps", "ftd_agent_tier_pending_shards",
+    "ftd_agent_tier_lag_steps", "ftd_agent_tier_pending_shards", "ftd_agent_checkpoint_save_bytes",
+    "ftd_agent_training_mfu_ratio", "ftd_agent_training_mfu_floor_ratio",
 }
 HISTOGRAMS = {
     "ftd_coordinator_detection_latency_seconds", "ftd_coordinator_etcd_commit_duration_seconds",
@@ -55,6 +61,12 @@ HISTOGRAMS = {
 CONDITIONAL = {
     "ftd_agent_gpu_utilization_ratio": "set only on nodes where NVML finds GPUs (labelled by gpu); the test "
                                        "cluster's agents may have none",
+}
+# Metrics of other exporters the dashboard may query, and why they can be absent from the live check.
+EXTERNAL = {
+    "DCGM_FI_DEV_GPU_UTIL": "NVIDIA's dcgm-exporter (deploy/kubernetes/optional/dcgm-exporter.yaml, optional); "
+                            "not exported by ftd, and the test cluster runs no DCGM exporter (no GPUs)",
+    "DCGM_FI_DEV_XID_ERRORS": "NVIDIA's dcgm-exporter, optional, as DCGM_FI_DEV_GPU_UTIL",
 }
 # What each row must show (metric names, after stripping histogram suffixes).
 ROW_METRICS = {
@@ -68,9 +80,10 @@ ROW_METRICS = {
                             "ftd_agent_tier_lag_steps", "ftd_agent_tier_pending_shards",
                             "ftd_agent_checkpoint_save_failures_total", "ftd_agent_tier_retention_deleted_total"},
     "Training": {"ftd_agent_training_steps_total", "ftd_agent_training_loss", "ftd_agent_training_grad_norm",
-                 "ftd_agent_gpu_utilization_ratio"},
+                 "ftd_agent_gpu_utilization_ratio", "ftd_agent_training_mfu_ratio",
+                 "ftd_agent_training_mfu_floor_ratio", "DCGM_FI_DEV_GPU_UTIL"},
 }
-METRIC_RE = re.compile(r"\bftd_[A-Za-z0-9_:]*")
+METRIC_RE = re.compile(r"\b(?:ftd|DCGM)_[A-Za-z0-9_:]*")
 RANGE_FUNCTION_RE = re.compile(r"\b(rate|irate|increase)\(\s*(ftd_[A-Za-z0-9_:]*)")
 QUANTILE_RE = re.compile(r"histogram_quantile\(")
 
@@ -177,8 +190,43 @@ def test_rows_in_order_and_what_each_shows() -> None:
 
 def test_queries_use_only_exported_metrics() -> None:
     used = _dashboard_metrics()
-    assert not used - EXPORTED, f"not exported by ftd: {sorted(used - EXPORTED)}"
+    assert not used - EXPORTED - set(EXTERNAL), f"not exported by ftd: {sorted(used - EXPORTED - set(EXTERNAL))}"
     assert set(CONDITIONAL) <= used  # keep the conditional list to names the dashboard really uses
+    assert set(EXTERNAL) <= used  # ...and the external one
+
+
+def _dcgm_counters() -> set[str]:
+    """The DCGM fields the optional exporter's ConfigMap tells it to collect."""
+    docs = [d for d in yaml.safe_load_all(DCGM_MANIFEST.read_text()) if d]
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (daemonset,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    collectors = Path(next(e["value"] for e in container["env"] if e["name"] == "DCGM_EXPORTER_COLLECTORS"))
+    (mount,) = [m for m in container["volumeMounts"] if collectors.parent == Path(m["mountPath"])]
+    volume = next(v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == config["metadata"]["name"]
+    csv = config["data"][collectors.name]
+    return {line.split(",")[0].strip() for line in csv.splitlines() if line.strip() and not line.startswith("#")}
+
+
+def test_dcgm_panels_read_what_the_optional_exporter_collects() -> None:
+    used = {m for m in _dashboard_metrics() if m.startswith("DCGM_")}
+    assert used == set(EXTERNAL)
+    counters = _dcgm_counters()
+    assert "DCGM_FI_DEV_GPU_UTIL" in counters
+    assert used <= counters, f"the optional DCGM exporter does not collect {sorted(used - counters)}"
+    for p in _graph_panels(_dashboard()):  # say so on the panel: it is empty without the exporter
+        if _metrics(_exprs(p)) & set(EXTERNAL):
+            assert "optional" in p["title"].lower() and "dcgm" in p["description"].lower(), p["title"]
+
+
+def test_gpu_panel_shows_every_gpu() -> None:
+    """As FtdGpuUtilizationLow judges them: a node average would hide one idle GPU among eight."""
+    exprs = [e for p in _graph_panels(_dashboard()) for e in _exprs(p) if "ftd_agent_gpu_utilization_ratio" in e]
+    aggregated_away = re.compile(r"\b(avg|sum|min|max)\b(?!\s*by\s*\([^)]*\bgpu\b)")
+    assert exprs and not [e for e in exprs if aggregated_away.search(e)], exprs
+    assert not aggregated_away.search("max by (instance, gpu) (ftd_agent_gpu_utilization_ratio)")
+    assert aggregated_away.search("avg by (instance) (ftd_agent_gpu_utilization_ratio)")
 
 
 def test_queries_are_well_formed() -> None:
@@ -218,6 +266,6 @@ def test_every_dashboard_metric_is_exported_by_a_live_cluster(local_cluster: Clu
         agents |= _scrape(agent.info["metrics"])
     used = _dashboard_metrics()
     assert {m for m in used if m.startswith("ftd_coordinator_")} and {m for m in used if m.startswith("ftd_agent_")}
-    missing = sorted(m for m in used - set(CONDITIONAL)
+    missing = sorted(m for m in used - set(CONDITIONAL) - set(EXTERNAL)
                      if m not in (coordinator if m.startswith("ftd_coordinator_") else agents))
     assert not missing, f"the dashboard queries metrics the live daemons do not export: {missing}"

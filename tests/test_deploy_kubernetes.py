@@ -26,14 +26,16 @@ from ftd.agent.settings import ENV_PREFIX as AGENT_ENV_PREFIX
 from ftd.agent.settings import AgentSettings
 from ftd.coordinator.settings import ENV_PREFIX as COORDINATOR_ENV_PREFIX
 from ftd.coordinator.settings import CoordinatorSettings
-from ftd.rpc import parse_hostport
 from ftd.ftctl.localcluster import ClusterFile
+from ftd.rpc import parse_hostport
 from ftd.settings import load
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = ROOT / "deploy" / "kubernetes"
 K8S_VERSION = "1.30"
 MANIFESTS = ("namespace.yaml", "rbac.yaml", "etcd.yaml", "coordinator.yaml", "agent.yaml")
+# Applied by hand, not by the kustomization (deploy/kubernetes/volcano has its own test file).
+OPTIONAL = ("optional/dcgm-exporter.yaml",)
 NAMESPACE = "ftd"
 # What the downward API would give one pod, for the tests that run the pods' settings through ftd.
 FIELD_VALUES = {
@@ -50,6 +52,7 @@ def _load(name: str) -> list[dict[str, Any]]:
 
 
 DOCS: list[tuple[str, dict[str, Any]]] = [(name, doc) for name in MANIFESTS for doc in _load(name)]
+OPTIONAL_DOCS: list[tuple[str, dict[str, Any]]] = [(name, doc) for name in OPTIONAL for doc in _load(name)]
 
 
 def _find(kind: str, name: str) -> dict[str, Any]:
@@ -137,6 +140,13 @@ def test_manifest_validates_against_the_kubernetes_schema(name: str, doc: dict[s
     assert _validate(doc) == K8S_VERSION
 
 
+@pytest.mark.parametrize(("name", "doc"), OPTIONAL_DOCS,
+                         ids=[f"{n}:{d['kind']}/{d['metadata']['name']}" for n, d in OPTIONAL_DOCS])
+def test_optional_manifest_validates_against_the_kubernetes_schema(name: str, doc: dict[str, Any]) -> None:
+    assert _validate(doc) == K8S_VERSION
+    assert doc["metadata"].get("namespace") == NAMESPACE
+
+
 def test_the_validator_rejects_a_wrong_type() -> None:
     broken = copy.deepcopy(_find("Deployment", "ftd-coordinator"))
     broken["spec"]["replicas"] = "two"
@@ -179,6 +189,32 @@ def test_kustomize_build_renders_valid_resources() -> None:
     assert len(rendered) == len(DOCS)
     for doc in rendered:
         assert _validate(doc) == K8S_VERSION
+
+
+def test_optional_manifests_stay_out_of_the_kustomization() -> None:
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    assert not set(kustomization["resources"]) & set(OPTIONAL)
+    assert sorted(str(p.relative_to(K8S_DIR)) for p in (K8S_DIR / "optional").glob("*.yaml")) == sorted(OPTIONAL)
+
+
+def test_dcgm_exporter_is_an_optional_scrape_target_like_the_agents() -> None:
+    docs = {d["kind"]: d for _, d in OPTIONAL_DOCS}
+    daemonset = docs["DaemonSet"]
+    pod = daemonset["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["image"].startswith("nvcr.io/nvidia/k8s/dcgm-exporter:")
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    listen_port = int(env["DCGM_EXPORTER_LISTEN"].rsplit(":", 1)[1])
+    annotations = pod["metadata"]["annotations"]
+    # The same discovery convention as the agent's pods (agent.yaml).
+    agent_annotations = _find("DaemonSet", "ftd-agent")["spec"]["template"]["metadata"]["annotations"]
+    assert set(annotations) == set(agent_annotations)
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == _container_port(container, "metrics") == listen_port
+    assert env["DCGM_EXPORTER_KUBERNETES"] == "true"  # GPU series labelled with the pod using the GPU
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}  # no SYS_ADMIN
+    assert pod["spec"]["automountServiceAccountToken"] is False
 
 
 def test_everything_namespaced_lives_in_ftd() -> None:
