@@ -1,0 +1,123 @@
+"""``ftctl certs init|issue|rotate|list``: the cluster's PKI from the operator's machine (:mod:`ftd.pki`).
+
+    ftctl certs init --cluster prod --pki-dir /etc/ftd/pki
+    ftctl certs issue node node-7 --host node-7.example --host 10.0.0.7
+    ftctl certs rotate coordinator c0          # served to new connections without a restart
+    ftctl certs list
+
+The PKI directory is ``--pki-dir``, else ``$FTD_PKI_DIR``, else ``DIR/pki`` of ``--workdir DIR``.
+Hooked into ``ftctl`` by :func:`register` (the parser) and :func:`run` (the command); :func:`main` runs
+it alone. Exit codes as ftctl's: 0 ok, 1 the PKI refused (the message names the file), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from ftd import pki
+
+ENV_PKI_DIR = "FTD_PKI_DIR"
+
+
+def register(sub: Any) -> argparse.ArgumentParser:
+    """Adds ``certs`` to ftctl's sub-command parsers (``sub`` from ``add_subparsers``)."""
+    certs = sub.add_parser("certs", help="the cluster PKI: CA, per-identity certificates, rotation")
+    _arguments(certs)
+    return certs  # type: ignore[no-any-return]
+
+
+def _arguments(certs: argparse.ArgumentParser) -> None:
+    # --pki-dir is accepted before and after the sub-command (ftctl certs issue ... --pki-dir D).
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for parser in (certs, common):
+        parser.add_argument("--pki-dir", type=Path, default=argparse.SUPPRESS,
+                            help=f"the PKI directory (env {ENV_PKI_DIR}; default: DIR/pki with --workdir DIR)")
+    cmds = certs.add_subparsers(dest="certs_command", required=True)
+    _add = cmds.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return _add(name, parents=[common], **kw)
+
+    init = add_parser("init", help="create the cluster CA (ca.crt, ca.key)")
+    init.add_argument("--cluster", required=True, help="the cluster's name, part of every identity")
+    init.add_argument("--days", type=int, default=pki.CA_DAYS, help="CA validity [days] (default %(default)s)")
+    init.add_argument("--force", action="store_true", help="replace an existing CA (distrusts all it issued)")
+    for name, text in (("issue", "issue a certificate for an identity"),
+                       ("rotate", "a new key and certificate for an issued identity")):
+        cmd = add_parser(name, help=text)
+        cmd.add_argument("kind", choices=pki.KINDS)
+        cmd.add_argument("name", help="node id, replica id, member name, operator name")
+        cmd.add_argument("--host", action="append", default=None, metavar="HOST",
+                         help="a DNS name or IP the identity serves at (repeatable; 127.0.0.1, ::1 and localhost "
+                              "always; rotate keeps the old hosts unless given)")
+        cmd.add_argument("--days", type=int, default=pki.LEAF_DAYS, help="validity [days] (default %(default)s)")
+    lst = add_parser("list", help="every certificate with its identity, serial, hosts and expiry")
+    lst.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def pki_dir(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
+    """``--pki-dir``, else ``$FTD_PKI_DIR``, else ``DIR/pki`` of ``--workdir``."""
+    given = getattr(args, "pki_dir", None) or env.get(ENV_PKI_DIR)
+    if given:
+        return Path(given)
+    workdir = getattr(args, "workdir", None)
+    if workdir is not None:
+        return Path(workdir) / "pki"
+    raise pki.PkiError(f"no PKI directory: give --pki-dir, {ENV_PKI_DIR}, or --workdir of a local cluster")
+
+
+def list_certificates(root: Path) -> list[dict[str, object]]:
+    """Every ``*.crt`` under ``root``, the CA first."""
+    if not root.is_dir():
+        raise pki.PkiError(f"no PKI directory at {root} (create it with 'ftctl certs init')")
+    found = sorted(root.rglob("*.crt"), key=lambda p: (p.name != "ca.crt", str(p)))
+    return [pki.certificate_info(p) for p in found]
+
+
+def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """Runs ``ftctl certs ...``; a :class:`~ftd.pki.PkiError` is printed (it names the file) as exit 1."""
+    env = os.environ if env is None else env
+    try:
+        root = pki_dir(args, env)
+        if args.certs_command == "init":
+            path = pki.init_ca(root, args.cluster, args.days, force=args.force)
+            print(f"CA of cluster {args.cluster}: {path} (keep {root / 'ca.key'} off the nodes)")
+        elif args.certs_command == "issue":
+            path = pki.issue(root, args.kind, args.name, args.host or (), args.days)
+            print(f"{args.kind}/{args.name}: {path} (key {pki.paths(root, args.kind, args.name)[1]}, mode 0600)")
+        elif args.certs_command == "rotate":
+            path = pki.rotate(root, args.kind, args.name, args.host, args.days)
+            info = pki.certificate_info(path)
+            print(f"{args.kind}/{args.name}: rotated, serial {info['serial']}, until {info['not_after']}")
+        else:
+            rows = list_certificates(root)
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            for row in [] if args.json else rows:
+                hosts = ",".join(cast("list[str]", row["hosts"])) or "-"
+                flag = "  EXPIRED" if row["expired"] else ""
+                print(f"{row['identity'] or 'CA':<28} serial {row['serial']:<40} until {row['not_after']}  "
+                      f"hosts {hosts}{flag}")
+        return 0
+    except pki.PkiError as exc:
+        print(f"ftctl certs: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``ftctl certs`` on its own (``python -m ftd.ftctl.certs ...``)."""
+    parser = argparse.ArgumentParser(prog="ftctl certs", description="The cluster PKI.")
+    parser.add_argument("--workdir", type=Path, help="a local cluster started by 'ftctl up' (uses DIR/pki)")
+    _arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
