@@ -28,6 +28,7 @@ from ftd.v1 import coordinator_pb2
 from . import errors
 from .catalog import CatalogKeeper
 from .committer import Committer
+from .drains import DrainKeeper
 from .jobs import JobKeeper
 from .membership import Membership
 from .metrics import CoordinatorMetrics
@@ -64,6 +65,7 @@ class Controller:
         self.jobs = JobKeeper(self.committer, round_started=self.membership.round_started,
                               push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.catalog = CatalogKeeper(self.committer, self.metrics, wall)
+        self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.last_tick_at = self.clock()
         self._last_confirmed = 0.0
         self._gauges_at = -1e9
@@ -119,6 +121,7 @@ class Controller:
         state = self.committer
         state.lease, state.view, state.suspended, state.known_leader = None, None, False, None
         self.metrics.is_leader.set(0)
+        self.metrics.recovery_open.set(0)
         set_identity(role="standby")
         self.membership.close_streams(errors.NotLeader(self.replica_id, "", f"stepped down ({reason})"))
 
@@ -126,6 +129,7 @@ class Controller:
         log.warning("suspending leadership: %s", reason)
         self.committer.suspended = True
         self.metrics.is_leader.set(0)
+        self.metrics.recovery_open.set(0)
         self.membership.close_streams(
             errors.NotLeader(self.replica_id, "", "cannot confirm its leadership (etcd unreachable)"))
 
@@ -198,6 +202,9 @@ class Controller:
         self.metrics.world_size.set(len(view.world.ranks))
         self.metrics.world_target_size.set(view.world.target_size)
         self.metrics.spares.set(len(view.spares()))
+        incident, job = self.membership.recovery.open, view.current_job()
+        open_s = self.clock() - incident.last_heartbeat if incident and job is not None and not job.closed else 0.0
+        self.metrics.recovery_open.set(open_s)
         for job in view.jobs.values():
             self.metrics.job_round.labels(job.job).set(job.round)
             self.metrics.job_restarts.labels(job.job).set(job.restarts)
@@ -242,6 +249,7 @@ class Controller:
     async def run(self) -> None:
         set_identity(replica=self.replica_id, role="standby")
         self.metrics.is_leader.set(0)
+        self.metrics.recovery_open.set(0)
         await asyncio.gather(self._leadership_loop(), self._tick_loop())
 
     async def stop(self) -> None:

@@ -113,6 +113,14 @@ class RoundConflict(CoordinatorError):
         self.job = job
 
 
+class NodeFenced(CoordinatorError):
+    """The node was removed from the world; what was asked of it (a drain) no longer applies."""
+
+    def __init__(self, node_id: str, what: str) -> None:
+        super().__init__(f"node {node_id} is already fenced; {what}")
+        self.node_id = node_id
+
+
 GRPC_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NodeNotFound: grpc.StatusCode.NOT_FOUND,
@@ -127,6 +135,7 @@ GRPC_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     CatalogConflict: grpc.StatusCode.FAILED_PRECONDITION,
     JobNotFound: grpc.StatusCode.NOT_FOUND,
     RoundConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    NodeFenced: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -72,8 +72,7 @@ class JobKeeper:
         view = self.state.require_leader()
         view.jobs[after.job] = after
         if before is not None and after.round != before.round:
-            newest = max((r.step for (j, _), r in view.catalog.items() if j == after.job and r.restorable), default=-1)
-            self.round_started(newest)
+            self.round_started(view.newest_restorable(after.job))
         if before is None or before.round != after.round or before.closed != after.closed:
             log.warning("job %s: round %d (%s)%s", after.job, after.round, after.round_reason,
                         f"; CLOSED: {after.closed_reason}" if after.closed else "")
@@ -88,7 +87,8 @@ class JobKeeper:
             before = view.jobs.get(job)
             suspects = {n for n, v in view.verdicts.items() if v.state is not State.ALIVE}
             state, reply = rules.join(self.wall(), before, job, view.world.epoch, view.world.ranks, node,
-                                      req.last_round, req.min_nodes or 1, req.max_restarts or 10, suspects)
+                                      req.last_round, req.min_nodes or 1, req.max_restarts or 10, suspects,
+                                      planned=view.world.handed_over)
             await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}")
             return round_info(state, reply)
 

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ftd.health_verdict import eligible_for_promotion
 from ftd.logs import set_identity
 from ftd.v1 import coordinator_pb2
 
-from . import errors
+from . import errors, handover
 from .admission import check_heartbeat, decide_registration, validate_register
 from .detector import Liveness, State, Verdict, judge
 from .leader_state import LeaderState
@@ -164,8 +165,13 @@ class Membership:
         stream.last_write = self.clock()
         with_world = stream.sent_epoch != view.world.epoch
         stream.sent_epoch = view.world.epoch
-        return coordinator_pb2.HeartbeatResponse(assignment=view.assignment(stream.node_id, with_world),
-                                                 leader_id=self.settings.effective_replica_id)
+        response = coordinator_pb2.HeartbeatResponse(assignment=view.assignment(stream.node_id, with_world),
+                                                     leader_id=self.settings.effective_replica_id)
+        draining = [n for n in view.drains if view.rank_of(n) >= 0]
+        if draining:
+            response.draining.extend(sorted(draining))
+            response.draining_reason = "; ".join(f"{n}: {view.drains[n].reason}" for n in sorted(draining))
+        return response
 
     def close_stream(self, stream: Stream) -> None:
         if self.streams.get(stream.node_id) is stream:
@@ -196,17 +202,23 @@ class Membership:
             view = self.state.require_leader()
             now = self.clock()
             self._judge(view, now)
+            planned = self._handovers_due(view)
             step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
-                        self.settings.max_fences_per_epoch)
+                        self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
             if step is None:
                 return
+            handed = tuple(n for n in step.dead if n in planned)
             try:
                 await self.state.commit("epoch" if step.world else "fence", nodes=step.nodes, world=step.world,
-                                        events=step.events)
+                                        events=step.events, kv_deletes=[handover.key(n) for n in handed])
             except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
                 self.changed = True  # publish the gauges now: they show what the leader could not fix
                 return
-            for node_id in step.dead:
+            for node_id in handed:
+                view.drains.pop(node_id, None)
+                self.metrics.handovers.inc()
+                log.warning("node %s handed over: %s", node_id, view.verdicts[node_id].reason)
+            for node_id in (n for n in step.dead if n not in planned):
                 self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
                 self.metrics.nodes_declared_dead.inc()
                 log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
@@ -220,6 +232,38 @@ class Membership:
                 shown = list(step.world.ranks) if size <= 16 else f"of {size} ranks"
                 log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
                 self.push_all()
+
+    def _handovers_due(self, view: ClusterView) -> set[str]:
+        """Marks the drained nodes whose hand-over is due as leaving (a verdict the placement acts on)
+        and returns them; a drain whose node is gone already is dropped."""
+        due: set[str] = set()
+        job = view.current_job()
+        for node_id, drain in list(view.drains.items()):
+            node = view.nodes.get(node_id)
+            if node is None or node.fenced:
+                view.drains.pop(node_id, None)
+                continue
+            in_job = job is not None and not job.closed and view.rank_of(node_id) >= 0
+            restore = view.newest_restorable(job.job) if job is not None else -1
+            ready, why = handover.handover_due(self.wall(), drain, restore, in_job, self.settings.handover)
+            if ready:
+                view.verdicts[node_id] = Verdict(State.DEAD, f"planned hand-over ({drain.reason}): {why}", 0.0)
+                due.add(node_id)
+        return due
+
+    def _unfit_spares(self, view: ClusterView) -> dict[str, str]:
+        """Spares that may not take a rank now, with why: a failing (or stale) health verdict, or a
+        pending drain of their own."""
+        unfit = {n: f"draining ({d.reason})" for n, d in view.drains.items()}
+        now = self.wall()
+        for node_id, runtime in view.runtime.items():
+            health = runtime.health
+            verdict = health.verdict if health is not None and health.HasField("verdict") else None
+            ok, why = eligible_for_promotion(verdict, now, self.settings.spare_health_max_age_s,
+                                             self.settings.require_spare_health)
+            if not ok:
+                unfit.setdefault(node_id, why)
+        return unfit
 
     def _judge(self, view: ClusterView, now: float) -> None:
         detector = self.settings.detector

@@ -54,5 +54,10 @@ class CoordinatorMetrics:
                                      "When the newest valid checkpoint became valid (unix time)", ["job"], registry=r)
         self.checkpoint_interval = Gauge("ftd_coordinator_checkpoint_interval_seconds",
                                          "Seconds between the two newest valid checkpoints", ["job"], registry=r)
+        self.recovery_open = Gauge("ftd_coordinator_recovery_open_seconds",
+                                   "Age of the open recovery, from the dead node's last heartbeat (0: none)",
+                                   registry=r)
+        self.handovers = Counter("ftd_coordinator_handovers_total",
+                                 "Planned hand-overs committed (preemption notices, drains)", registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

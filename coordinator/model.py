@@ -74,6 +74,7 @@ class World:
     target_size: int = 0  # the size the world should have; below it the world is degraded
     reason: str = "initial"
     changed_unix_s: float = 0.0
+    handed_over: tuple[str, ...] = ()  # nodes that left this epoch by a planned hand-over, not a failure
 
     def rank_of(self, node_id: str) -> int:
         try:
@@ -142,6 +143,7 @@ def decode_world(key: str, raw: bytes) -> World:
     data = _load(key, raw)
     try:
         data["ranks"] = tuple(data["ranks"])
+        data["handed_over"] = tuple(data.get("handed_over", ()))
         return World(**data)
     except (TypeError, KeyError) as exc:
         raise CorruptRecord(key, str(exc)) from exc

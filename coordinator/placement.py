@@ -7,7 +7,7 @@ commits a plan in one etcd transaction and only then believes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .detector import State, Verdict
@@ -72,6 +72,8 @@ def plan(
     verdicts: Mapping[str, Verdict],
     domain_label: str = "rack",
     max_fences: int = 40,
+    unfit: Mapping[str, str] | None = None,
+    leaving: Collection[str] = (),
 ) -> Plan | None:
     """The next membership step, or ``None`` when the world is as it should be.
 
@@ -79,6 +81,11 @@ def plan(
     2. Each dead rank goes to a spare (:func:`choose_spare`); with none left the world shrinks.
     3. Alive nodes that registered as active and hold no rank join (the target size grows).
     4. While the world is below its target, alive spares fill it.
+
+    Nodes in ``leaving`` (their verdict is DEAD) go by a planned hand-over: fenced and replaced like the
+    dead, but their events say so and the new world records them in ``handed_over``, so the job's
+    rendezvous does not count a failure. Spares in ``unfit`` (node id → why, e.g. a failing health
+    check) are never promoted; the first promotion they are passed over for says so in its event.
 
     At most ``max_fences`` dead nodes are handled per epoch so that one commit stays within the
     store's transaction size (etcd's ``--max-txn-ops``); the rest follow in the next epochs, a tick
@@ -95,28 +102,39 @@ def plan(
     for node_id in dead:
         why = verdicts[node_id].reason
         updates[node_id] = nodes[node_id].with_fence(Fence(next_epoch, why, now_unix))
-        events.append(("node_dead", node_id, f"{node_id} declared dead: {why}"))
+        if node_id in leaving:
+            events.append(("node_handed_over", node_id, f"{node_id} handed over: {why}"))
+        else:
+            events.append(("node_dead", node_id, f"{node_id} declared dead: {why}"))
 
     in_world = set(world.ranks)
-    pool = [
+    unfit = unfit or {}
+    candidates = [
         n for n in nodes.values()
         if n.node_id not in in_world and not n.fenced and n.node_id not in updates
         and n.requested_role is Role.SPARE and _alive(verdicts, n.node_id)
     ]
+    pool = [n for n in candidates if n.node_id not in unfit]
+    passed_over = "; ".join(f"{n.node_id} passed over: {unfit[n.node_id]}"
+                            for n in sorted(candidates, key=lambda n: n.node_id) if n.node_id in unfit)
     ranks: list[str | None] = list(world.ranks)
     for index, node_id in enumerate(world.ranks):
         if node_id not in updates:
             continue
+        gone = "handed over" if node_id in leaving else "dead"
         choice = choose_spare(nodes[node_id], pool, domain_label)
+        if passed_over:
+            choice = Choice(choice.node_id, f"{choice.reason} ({passed_over})")
+            passed_over = ""
         ranks[index] = choice.node_id
         if choice.node_id is not None:
             pool = [n for n in pool if n.node_id != choice.node_id]
             events.append(("spare_promoted", choice.node_id,
                            f"{choice.node_id} takes rank {index} of {node_id}: {choice.reason}"))
-            reasons.append(f"{node_id} dead, {choice.node_id} promoted to rank {index}")
+            reasons.append(f"{node_id} {gone}, {choice.node_id} promoted to rank {index}")
         else:
             events.append(("world_shrunk", node_id, f"rank {index} of {node_id} dropped: {choice.reason}"))
-            reasons.append(f"{node_id} dead, no spare: world shrinks")
+            reasons.append(f"{node_id} {gone}, no spare: world shrinks")
     new_ranks = [r for r in ranks if r is not None]
     target = world.target_size
 
@@ -152,7 +170,8 @@ def plan(
         if len(new_ranks) < target:
             reason += f" (degraded: {len(new_ranks)} of {target} ranks, no spare left)"
         new_world = replace(world, epoch=next_epoch, ranks=tuple(new_ranks), target_size=target,
-                            reason=reason, changed_unix_s=now_unix)
+                            reason=reason, changed_unix_s=now_unix,
+                            handed_over=tuple(n for n in dead if n in leaving))
         events.append(("epoch_changed", "", f"epoch {next_epoch}: {reason}"))
     else:
         # Only spares died: fence them at the current epoch, the world itself is untouched.

@@ -63,12 +63,15 @@ def _advance(now_unix: float, state: JobState, epoch: int, world: Sequence[str],
 
 def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: Sequence[str], node_id: str,
          last_round: int, min_nodes: int, max_restarts: int,
-         suspects: Collection[str] = ()) -> tuple[JobState, Reply]:
+         suspects: Collection[str] = (), planned: Collection[str] = ()) -> tuple[JobState, Reply]:
     """One node asks to (re)join the job. Returns the job's new state and the answer.
 
     ``suspects``: nodes the detector currently suspects. A node whose workers failed because a peer
     died asks again before that death is committed; it waits for the verdict instead of starting a
-    round that would count the same incident twice (once as a restart, once as a lost member)."""
+    round that would count the same incident twice (once as a restart, once as a lost member).
+
+    ``planned``: nodes that left the world by a planned hand-over (a preemption notice, a drain):
+    the round their departure starts is not a failure and does not charge the restart budget."""
     if state is None:
         state = JobState(job, round=0, epoch=epoch, members=tuple(world), max_restarts=max_restarts,
                          min_nodes=max(1, min_nodes), round_unix_s=now_unix)
@@ -82,9 +85,11 @@ def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: S
                                   f"{state.min_nodes}: waiting for a spare or a returning node")
     if epoch != state.epoch or tuple(world) != state.members:
         lost = [n for n in state.members if n not in world]
-        why = (f"epoch {epoch}: {', '.join(lost)} left the world" if lost
+        failed = [n for n in lost if n not in planned]
+        why = (f"epoch {epoch}: {', '.join(lost)} left the world" if failed
+               else f"epoch {epoch}: planned hand-over of {', '.join(lost)}" if lost
                else f"epoch {epoch}: the world changed to {len(world)} node(s)")
-        state = _advance(now_unix, state, epoch, world, why, failure=bool(lost))
+        state = _advance(now_unix, state, epoch, world, why, failure=bool(failed))
     elif world.index(node_id) == 0 and state.store_address and last_round < state.round:
         # The round's store host is joining again: the torchrun that hosted the store is gone, so is
         # the store. Everybody moves to a new round with a fresh store (not a new failure).

@@ -131,6 +131,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                          context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ReportHangResponse:
         return await self._unary(context, lambda: self.ctl.jobs.report_hang(request))
 
+    async def Drain(self, request: coordinator_pb2.DrainRequest,
+                    context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.DrainResponse:
+        return await self._unary(context, lambda: self.ctl.drains.drain(request))
+
     async def Heartbeat(  # type: ignore[override]  # read/write style, not an async generator
         self, request_iterator: AsyncIterator[coordinator_pb2.HeartbeatRequest],
         context: aio.ServicerContext[Any, Any],

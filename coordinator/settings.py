@@ -11,6 +11,7 @@ from ftd.rpc import parse_hostport
 from ftd.settings import require, setting
 
 from .detector import DetectorSettings
+from .handover import HandoverPolicy
 
 ENV_PREFIX = "FTD_COORDINATOR_"
 
@@ -40,6 +41,14 @@ class CoordinatorSettings:
     max_events: int = setting(1000, "event log entries kept in etcd", "events")
     etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops; bounds how many nodes one epoch change fences",
                                     "operations")
+    spare_health_max_age_s: float = setting(
+        60.0, "a spare's health verdict older than this does not count as healthy when promoting", "s")
+    require_spare_health: bool = setting(
+        False, "promote only spares that reported a healthy verdict (else a spare without one is trusted)")
+    handover_margin_s: float = setting(
+        5.0, "a planned hand-over is committed at least this long before the notice's deadline", "s")
+    handover_max_wait_s: float = setting(
+        60.0, "without a deadline, how long a hand-over waits for the job's final checkpoint", "s")
     metrics_listen: str = setting("127.0.0.1:9401", "Prometheus /metrics address HOST:PORT (empty: disabled)")
     ready_file: Path | None = setting(None, "write {pid, address, metrics} JSON here once serving")
     log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
@@ -73,6 +82,11 @@ class CoordinatorSettings:
                 f"must be in (0, dead_after_s], got {self.heartbeat_ack_interval_s}")
         require(self.max_events >= 10, "max_events", f"must be >= 10 (got {self.max_events})")
         require(self.etcd_max_txn_ops >= 32, "etcd_max_txn_ops", f"must be >= 32 (got {self.etcd_max_txn_ops})")
+        require(self.spare_health_max_age_s > 0, "spare_health_max_age_s",
+                f"must be > 0 (got {self.spare_health_max_age_s})")
+        require(self.handover_margin_s >= 0, "handover_margin_s", f"must be >= 0 (got {self.handover_margin_s})")
+        require(self.handover_max_wait_s > 0, "handover_max_wait_s",
+                f"must be > 0 (got {self.handover_max_wait_s})")
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")
 
@@ -85,6 +99,10 @@ class CoordinatorSettings:
     def detector(self) -> DetectorSettings:
         return DetectorSettings(self.suspect_after_s, self.dead_after_s, self.disconnect_dead_after_s,
                                 self.stall_after_s)
+
+    @property
+    def handover(self) -> HandoverPolicy:
+        return HandoverPolicy(self.handover_margin_s, self.handover_max_wait_s)
 
     @property
     def effective_replica_id(self) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import rendezvous
+from . import handover, rendezvous
 from .detector import Liveness, State, Verdict
 from .model import NodeRecord, Role, World
 from .store import Snapshot
@@ -57,6 +57,7 @@ class ClusterView:
     jobs: dict[str, rendezvous.JobState] = field(default_factory=dict)
     forced_dead: dict[str, str] = field(default_factory=dict)  # node -> why (a hung node reported itself)
     stalls: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, round) -> nodes stalled
+    drains: dict[str, handover.Drain] = field(default_factory=dict)  # pending planned hand-overs
     _rank: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -76,7 +77,17 @@ class ClusterView:
                     view.jobs[state.job] = state
                 except (ValueError, TypeError, KeyError) as exc:
                     view.problems.append(f"job record {key!r} is corrupt: {exc}")
+            elif key.startswith("drains/"):
+                try:
+                    drain = handover.decode(raw)
+                    view.drains[drain.node_id] = drain
+                except (ValueError, TypeError, KeyError) as exc:
+                    view.problems.append(f"drain record {key!r} is corrupt: {exc}")
         return view
+
+    def newest_restorable(self, job: str) -> int:
+        """The newest step of ``job`` that can be restored (-1: none)."""
+        return max((r.step for (j, _), r in self.catalog.items() if j == job and r.restorable), default=-1)
 
     def current_job(self) -> rendezvous.JobState | None:
         """The cluster's training job: the open one (one job per ftd cluster), else the last closed."""
@@ -98,6 +109,9 @@ class ClusterView:
         if node.fence is not None:
             return cluster_pb2.NODE_STATE_FENCED, f"fenced at epoch {node.fence.epoch}: {node.fence.reason}"
         verdict = self.verdicts.get(node_id)
+        drain = self.drains.get(node_id)
+        if drain is not None and (verdict is None or verdict.state is State.ALIVE):
+            return cluster_pb2.NODE_STATE_ALIVE, f"draining: {drain.reason}"
         if verdict is None:
             return cluster_pb2.NODE_STATE_ALIVE, "registered"
         return _STATE[verdict.state], verdict.reason
@@ -161,7 +175,7 @@ class ClusterView:
             world=list(world.ranks), target_world_size=world.target_size, spares=self.spares(),
             dead=dead, suspect=suspect, degraded=world.degraded, degraded_reason=degraded_reason,
             last_change_reason=world.reason, last_change_unix_s=world.changed_unix_s,
-            leader_since_unix_s=leader_since, etcd_reachable=etcd_ok,
+            leader_since_unix_s=leader_since, etcd_reachable=etcd_ok, draining=sorted(self.drains),
         )
 
     def node_infos(self, now: float) -> list[coordinator_pb2.NodeInfo]:

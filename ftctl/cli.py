@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from google.protobuf import json_format
 
 from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable
 from ftd.rpc import rpc_code, rpc_details
+from ftd.v1 import coordinator_pb2
 
 from . import checkpoints, demo, drill, localcluster, render, report
 from .json_shapes import node_dict, status_dict
@@ -28,6 +30,10 @@ from .json_shapes import node_dict, status_dict
 ENV_COORDINATOR = "FTD_COORDINATOR"
 ENV_DRILL_TOKEN = "FTD_DRILL_TOKEN"
 DEFAULT_COORDINATOR = "127.0.0.1:7400"
+
+
+class DrainTimeout(RuntimeError):
+    """A drain was accepted but not committed in time."""
 
 
 class UsageError(Exception):
@@ -96,6 +102,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--report", type=Path, default=Path(tempfile.gettempdir()) / "ftd-demo-report.html",
                       help="where to write the drill's HTML report (default: %(default)s)")
     demo.add_argument("--json", action="store_true")
+
+    dr = sub.add_parser("drain", help="hand NODE's rank over to a spare after a final checkpoint (maintenance)")
+    dr.add_argument("node", metavar="NODE")
+    dr.add_argument("--reason", default="ftctl drain", help="recorded in the event log and shown in status")
+    dr.add_argument("--deadline-s", type=float, default=0.0,
+                    help="the node goes away in this many seconds: hand over by then even without a final "
+                         "checkpoint (default: wait for it, up to the coordinator's handover_max_wait_s)")
+    dr.add_argument("--wait", action="store_true", help="wait until the hand-over is committed")
+    dr.add_argument("--json", action="store_true")
 
     d = sub.add_parser("drill", help="fault drills against the live cluster, with the measured recovery")
     which = d.add_mutually_exclusive_group(required=True)
@@ -188,6 +203,8 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             _print_json(events) if args.json else print(render.events(events))
         elif args.command == "checkpoints":
             return _checkpoints(client, args)
+        elif args.command == "drain":
+            return _drain(client, args)
         elif args.command == "drill":
             mode, node = (("node", args.kill_node) if args.kill_node else ("worker", args.kill_worker)
                           if args.kill_worker else ("hang", args.hang_node))
@@ -201,6 +218,31 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         return 0
     finally:
         client.close()
+
+
+def _drain(client: CoordinatorClient, args: argparse.Namespace) -> int:
+    if args.deadline_s < 0:
+        raise UsageError(f"--deadline-s must be >= 0, got {args.deadline_s}")
+    deadline = time.time() + args.deadline_s if args.deadline_s else 0.0
+    reply = client.call("Drain", coordinator_pb2.DrainRequest(node_id=args.node, reason=args.reason,
+                                                              deadline_unix_s=deadline), idempotent=True)
+    result: dict[str, Any] = {"node": args.node, "accepted": reply.accepted, "message": reply.message}
+    if args.wait:
+        started = time.monotonic()
+        budget = (args.deadline_s or 120.0) + 30.0
+        while args.node in client.status().draining:
+            if time.monotonic() - started > budget:
+                raise DrainTimeout(f"the hand-over of {args.node} was not committed within {budget:.0f}s")
+            time.sleep(0.2)
+        status = client.status()
+        result.update(handover_s=round(time.monotonic() - started, 2), epoch=status.epoch, world=list(status.world))
+    if args.json:
+        _print_json(result)
+    else:
+        print(reply.message)
+        if args.wait:
+            print(f"handed over after {result['handover_s']}s: epoch {result['epoch']}, world {result['world']}")
+    return 0
 
 
 def _checkpoints(client: CoordinatorClient, args: argparse.Namespace) -> int:
@@ -248,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = rpc_code(exc)
         print(f"ftctl: coordinator answered {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
         return 1
-    except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError) as exc:
+    except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError, DrainTimeout) as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 1
 

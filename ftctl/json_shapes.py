@@ -17,7 +17,7 @@ def status_dict(status: Any) -> dict[str, Any]:
         "spares": list(status.spares), "dead": list(status.dead), "suspect": list(status.suspect),
         "degraded": status.degraded, "degraded_reason": status.degraded_reason,
         "last_change_reason": status.last_change_reason, "last_change_unix_s": status.last_change_unix_s,
-        "etcd_reachable": status.etcd_reachable,
+        "etcd_reachable": status.etcd_reachable, "draining": list(status.draining),
         "job": {"id": status.job, "round": status.job_round, "restarts": status.job_restarts,
                 "max_restarts": status.job_max_restarts, "closed": status.job_closed, "message": status.job_message,
                 "round_unix_s": status.job_round_unix_s} if status.job else None,
@@ -33,4 +33,7 @@ def node_dict(n: Any) -> dict[str, Any]:
         "labels": dict(n.labels), "agent_address": n.agent_address, "state_reason": n.state_reason,
         "step": n.progress.step if n.HasField("progress") else None,
         "health": json_format.MessageToDict(n.health, preserving_proto_field_name=True),
+        # The agent's own verdict against its thresholds; None when it reports none.
+        "healthy": n.health.verdict.healthy if n.health.HasField("verdict") else None,
+        "health_reason": n.health.verdict.reason if n.health.HasField("verdict") else "",
     }

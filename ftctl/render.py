@@ -43,6 +43,8 @@ def status(s: dict[str, Any]) -> str:
         f"spares:   {', '.join(s['spares']) or 'none'}",
         f"dead:     {', '.join(s['dead']) or 'none'}",
     ]
+    if s.get("draining"):
+        lines.append(f"draining: {', '.join(s['draining'])} (planned hand-over pending)")
     if s["suspect"]:
         lines.append(f"suspect:  {', '.join(s['suspect'])}")
     if s["degraded"]:
@@ -58,12 +60,21 @@ def status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _why(n: dict[str, Any]) -> str:
+    """Why a node is not simply fine: its state's reason, a pending drain, a failing health check."""
+    parts = []
+    if n["state"] != "alive" or n["state_reason"].startswith("draining"):
+        parts.append(n["state_reason"])
+    if n.get("healthy") is False:
+        parts.append(f"unhealthy: {n['health_reason']}")
+    return "; ".join(parts)
+
+
 def nodes(items: Sequence[dict[str, Any]]) -> str:
     rows = [
         (n["node_id"], n["host"], n["pid"], n["role"], n["state"], n["rank"] if n["rank"] >= 0 else "-",
          n["epoch"], f"{n['last_heartbeat_age_s']:.2f}s" if n["last_heartbeat_age_s"] >= 0 else "-",
-         n["step"] if n["step"] is not None and n["step"] >= 0 else "-",
-         n["state_reason"] if n["state"] != "alive" else "")
+         n["step"] if n["step"] is not None and n["step"] >= 0 else "-", _why(n))
         for n in items
     ]
     return table(("NODE", "HOST", "PID", "ROLE", "STATE", "RANK", "EPOCH", "HEARTBEAT", "STEP", "WHY"), rows)

@@ -334,3 +334,87 @@ def test_errors_map_once_to_grpc_codes_and_keep_validator_messages_whole() -> No
     invalid = errors.InvalidArgument.naming(bad.value, within="manifest.")
     assert invalid.field == "manifest.step" and str(invalid) == f"manifest.{bad.value}"
     assert errors.grpc_code(invalid) is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def hb_health(ctl: Controller, node_id: str, healthy: bool, reason: str = "", checked: float = 0.0) -> None:
+    verdict = cluster_pb2.HealthVerdict(healthy=healthy, reason=reason, checked_unix_s=checked)
+    req = coordinator_pb2.HeartbeatRequest(node_id=node_id, incarnation="i1", seq=2,
+                                           health=cluster_pb2.Health(verdict=verdict))
+    ctl.membership.on_heartbeat(ctl.membership.streams[node_id], req)
+
+
+def test_drain_hands_the_rank_over_as_planned() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        epoch = store.world.epoch
+        resp = await ctl.drains.drain(coordinator_pb2.DrainRequest(node_id="b", reason="aws spot terminate notice",
+                                                                   deadline_unix_s=WALL + clock.now + 120))
+        assert resp.accepted and "pending" in resp.message
+        # Without a training job there is no final checkpoint to wait for: the next tick hands over.
+        await step(ctl, clock, ("a", "b", "s"))
+        assert store.world.epoch == epoch + 1 and store.world.ranks == ("a", "s")
+        assert store.world.handed_over == ("b",) and "b handed over, s promoted to rank 1" in store.world.reason
+        fence = store.nodes["b"].fence
+        assert fence is not None and "planned hand-over (aws spot terminate notice)" in fence.reason
+        kinds = [e.kind for e in store.events.values()]
+        assert "node_handed_over" in kinds and "node_dead" not in kinds
+        assert not ctl.committer.require_leader().drains and not any(k.startswith("drains/") for k in store.kv)
+        assert ctl.metrics.handovers._value.get() == 1
+        with pytest.raises(errors.NodeFenced, match="node b is already fenced"):
+            await ctl.drains.drain(coordinator_pb2.DrainRequest(node_id="b"))
+        with pytest.raises(errors.NodeNotFound):
+            await ctl.drains.drain(coordinator_pb2.DrainRequest(node_id="ghost"))
+        with pytest.raises(errors.InvalidArgument, match="node_id"):
+            await ctl.drains.drain(coordinator_pb2.DrainRequest(node_id="../x"))
+
+    run(scenario)
+
+
+def test_a_pending_drain_is_pushed_and_survives_a_new_leader() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        view = ctl.committer.require_leader()
+        # Pretend a job runs so the hand-over waits for its final checkpoint.
+        from ftd.coordinator import rendezvous
+
+        view.jobs["j"] = rendezvous.JobState("j", members=("a", "b"), epoch=store.world.epoch)
+        await ctl.drains.drain(coordinator_pb2.DrainRequest(node_id="b", reason="ftctl drain"))
+        await step(ctl, clock, ("a", "b", "s"), n=3)
+        assert store.world.ranks == ("a", "b"), "waits for the final checkpoint"
+        response = ctl.membership.heartbeat_response(ctl.membership.streams["a"])
+        assert list(response.draining) == ["b"] and "ftctl drain" in response.draining_reason
+        assert list(ctl.status().draining) == ["b"]
+        info = {n.node_id: n for n in ctl.nodes().nodes}["b"]
+        assert info.state_reason.startswith("draining: ftctl drain")
+        # A new leader loads the pending drain from the store.
+        other = make(store, clock, "c1")
+        loaded = ClusterView.from_snapshot(store.load(), clock.now, 5.0)
+        assert loaded.drains["b"].reason == "ftctl drain" and other.replica_id == "c1"
+
+    run(scenario)
+
+
+def test_an_unhealthy_spare_is_passed_over() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        await ctl.membership.register(reg("t", cluster_pb2.ROLE_SPARE))
+        hb(ctl, "t")
+        now = WALL + clock.now
+        hb_health(ctl, "s", False, "ssd free 1.0 GiB < 10 GiB", now)  # registered first: preferred if healthy
+        hb_health(ctl, "t", True, "", now)
+        ctl.membership.close_stream(ctl.membership.streams["a"])
+        await step(ctl, clock, ("b", "s", "t"), n=16)
+        assert store.world.ranks == ("t", "b")
+        promoted = next(e for e in store.events.values() if e.kind == "spare_promoted")
+        assert "s passed over: unhealthy: ssd free 1.0 GiB < 10 GiB" in promoted.message
+
+    run(scenario)

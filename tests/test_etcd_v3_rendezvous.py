@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.etcd_client import make_client
+from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.training.etcd_v3 import EtcdV3RendezvousBackend, EtcdV3Store
 
 pytestmark = pytest.mark.etcd

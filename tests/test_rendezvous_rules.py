@@ -97,3 +97,14 @@ def test_rounds_are_stamped_with_the_given_time() -> None:
     assert state.round == 1 and state.round_unix_s == NOW + 5
     stalled = rdzv.stall_restart(NOW + 9, state, "job stalled")
     assert stalled.round == 2 and stalled.round_unix_s == NOW + 9 and stalled.restarts == state.restarts + 1
+
+
+def test_a_planned_hand_over_does_not_charge_the_restart_budget() -> None:
+    state, _ = rdzv.join(NOW, None, "j", 1, ["a", "b"], "a", -1, 2, 3)
+    # b is handed over to c (preemption notice): a new round, no restart counted.
+    after, reply = rdzv.join(NOW + 1, state, "j", 2, ["a", "c"], "a", 0, 2, 3, planned=["b"])
+    assert reply.status == rdzv.READY and after.round == state.round + 1
+    assert after.restarts == state.restarts and "planned hand-over of b" in after.round_reason
+    # The same change without the plan is a failure.
+    failed, _ = rdzv.join(NOW + 1, state, "j", 2, ["a", "c"], "a", 0, 2, 3)
+    assert failed.restarts == state.restarts + 1 and "b left the world" in failed.round_reason

@@ -128,6 +128,76 @@ class GpuHealth(_message.Message):
 Global___GpuHealth: _TypeAlias = GpuHealth  # noqa: Y015
 
 @_typing.final
+class HealthCheck(_message.Message):
+    """One health check against its threshold (agent/health_checks.py)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    OK_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """e.g. "disk_free:ssd", "gpu_count", "gpu_temperature:3", "probe_bandwidth" """
+    ok: _builtins.bool
+    value: _builtins.str
+    """human-readable measured value, e.g. "1.2 GiB" """
+    threshold: _builtins.str
+    """human-readable threshold, e.g. ">= 10 GiB" """
+    reason: _builtins.str
+    """set when not ok"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        ok: _builtins.bool = ...,
+        value: _builtins.str = ...,
+        threshold: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "ok", b"ok", "reason", b"reason", "threshold", b"threshold", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HealthCheck: _TypeAlias = HealthCheck  # noqa: Y015
+
+@_typing.final
+class HealthVerdict(_message.Message):
+    """The agent's judgement of its own node against the configured thresholds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEALTHY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    CHECKS_FIELD_NUMBER: _builtins.int
+    CHECKED_UNIX_S_FIELD_NUMBER: _builtins.int
+    healthy: _builtins.bool
+    reason: _builtins.str
+    """the first failing check, "" when healthy"""
+    checked_unix_s: _builtins.float
+    """wall clock of the measurement"""
+    @_builtins.property
+    def checks(self) -> _containers.RepeatedCompositeFieldContainer[Global___HealthCheck]: ...
+    def __init__(
+        self,
+        *,
+        healthy: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        checks: _abc.Iterable[Global___HealthCheck] | None = ...,
+        checked_unix_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_unix_s", b"checked_unix_s", "checks", b"checks", "healthy", b"healthy", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HealthVerdict: _TypeAlias = HealthVerdict  # noqa: Y015
+
+@_typing.final
 class Health(_message.Message):
     """Local health, sampled by the agent."""
 
@@ -135,25 +205,36 @@ class Health(_message.Message):
 
     DISKS_FIELD_NUMBER: _builtins.int
     GPU_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def disks(self) -> _containers.RepeatedCompositeFieldContainer[Global___DiskHealth]: ...
     @_builtins.property
     def gpu(self) -> Global___GpuHealth:
         """absent when NVML is not available on the node"""
 
+    @_builtins.property
+    def verdict(self) -> Global___HealthVerdict:
+        """absent from agents that run no checks"""
+
     def __init__(
         self,
         *,
         disks: _abc.Iterable[Global___DiskHealth] | None = ...,
         gpu: Global___GpuHealth | None = ...,
+        verdict: Global___HealthVerdict | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "gpu", b"gpu"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "_verdict", b"_verdict", "gpu", b"gpu", "verdict", b"verdict"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "disks", b"disks", "gpu", b"gpu"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "_verdict", b"_verdict", "disks", b"disks", "gpu", b"gpu", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__gpu: _TypeAlias = _typing.Literal["gpu"]  # noqa: Y015
     _WhichOneofArgType__gpu: _TypeAlias = _typing.Literal["_gpu", b"_gpu"]  # noqa: Y015
+    _WhichOneofReturnType__verdict: _TypeAlias = _typing.Literal["verdict"]  # noqa: Y015
+    _WhichOneofArgType__verdict: _TypeAlias = _typing.Literal["_verdict", b"_verdict"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu) -> _WhichOneofReturnType__gpu | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__verdict) -> _WhichOneofReturnType__verdict | None: ...
 
 Global___Health: _TypeAlias = Health  # noqa: Y015
 
@@ -167,12 +248,19 @@ class Progress(_message.Message):
     REPORTED_UNIX_S_FIELD_NUMBER: _builtins.int
     LOSS_FIELD_NUMBER: _builtins.int
     GRAD_NORM_FIELD_NUMBER: _builtins.int
+    FLOPS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """-1 when no step was reported yet"""
     reported_unix_s: _builtins.float
     """wall clock of the report, seconds since the epoch"""
     loss: _builtins.float
     grad_norm: _builtins.float
+    flops: _builtins.float
+    """Model FLOPs of ONE training step on the reporting rank (forward + backward; the MFU convention:
+    about 6 x parameters x tokens of the rank's step for a dense transformer, no recomputation), not
+    a rate. The agent divides by the measured step time and the GPU's peak (agent/mfu.py) for
+    ftd_agent_training_mfu_ratio. Absent: no MFU.
+    """
     def __init__(
         self,
         *,
@@ -180,15 +268,20 @@ class Progress(_message.Message):
         reported_unix_s: _builtins.float = ...,
         loss: _builtins.float | None = ...,
         grad_norm: _builtins.float | None = ...,
+        flops: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_grad_norm", b"_grad_norm", "_loss", b"_loss", "grad_norm", b"grad_norm", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_norm", b"_grad_norm", "_loss", b"_loss", "grad_norm", b"grad_norm", "loss", b"loss", "reported_unix_s", b"reported_unix_s", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "reported_unix_s", b"reported_unix_s", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__flops: _TypeAlias = _typing.Literal["flops"]  # noqa: Y015
+    _WhichOneofArgType__flops: _TypeAlias = _typing.Literal["_flops", b"_flops"]  # noqa: Y015
     _WhichOneofReturnType__grad_norm: _TypeAlias = _typing.Literal["grad_norm"]  # noqa: Y015
     _WhichOneofArgType__grad_norm: _TypeAlias = _typing.Literal["_grad_norm", b"_grad_norm"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__flops) -> _WhichOneofReturnType__flops | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_norm) -> _WhichOneofReturnType__grad_norm | None: ...
     @_typing.overload

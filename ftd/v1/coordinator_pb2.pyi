@@ -26,6 +26,56 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class DrainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DEADLINE_UNIX_S_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    reason: _builtins.str
+    """e.g. "aws spot terminate notice", "ftctl drain" """
+    deadline_unix_s: _builtins.float
+    """when the node goes away; 0 = no deadline"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        deadline_unix_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_s", b"deadline_unix_s", "node_id", b"node_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    """false: nothing to hand over (a spare), the node was only removed"""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
+
+@_typing.final
 class JoinRoundRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -390,18 +440,29 @@ class HeartbeatResponse(_message.Message):
 
     ASSIGNMENT_FIELD_NUMBER: _builtins.int
     LEADER_ID_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    DRAINING_REASON_FIELD_NUMBER: _builtins.int
     leader_id: _builtins.str
+    draining_reason: _builtins.str
     @_builtins.property
     def assignment(self) -> _cluster_pb2.Assignment: ...
+    @_builtins.property
+    def draining(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Nodes of the world whose planned hand-over is pending: every rank saves a final checkpoint and
+        waits for the new world (empty when none).
+        """
+
     def __init__(
         self,
         *,
         assignment: _cluster_pb2.Assignment | None = ...,
         leader_id: _builtins.str = ...,
+        draining: _abc.Iterable[_builtins.str] | None = ...,
+        draining_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "leader_id", b"leader_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "draining", b"draining", "draining_reason", b"draining_reason", "leader_id", b"leader_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -447,6 +508,7 @@ class ClusterStatus(_message.Message):
     JOB_CLOSED_FIELD_NUMBER: _builtins.int
     JOB_MESSAGE_FIELD_NUMBER: _builtins.int
     JOB_ROUND_UNIX_S_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     leader_id: _builtins.str
     leader_address: _builtins.str
     epoch: _builtins.int
@@ -483,6 +545,10 @@ class ClusterStatus(_message.Message):
 
     @_builtins.property
     def suspect(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def draining(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """nodes whose planned hand-over is pending"""
+
     def __init__(
         self,
         *,
@@ -507,10 +573,11 @@ class ClusterStatus(_message.Message):
         job_closed: _builtins.bool = ...,
         job_message: _builtins.str = ...,
         job_round_unix_s: _builtins.float = ...,
+        draining: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "epoch", b"epoch", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "draining", b"draining", "epoch", b"epoch", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

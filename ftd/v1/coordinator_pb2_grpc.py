@@ -115,6 +115,11 @@ class CoordinatorStub:
                 request_serializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/ftd.v1.Coordinator/Drain',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -230,6 +235,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """A planned hand-over of a node's rank to a spare (a spot preemption notice, maintenance): the job
+        saves a final checkpoint first, then the new world is committed; the job's restart budget is not
+        charged. NOT_FOUND for an unknown node, FAILED_PRECONDITION for a fenced one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -312,6 +326,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportHang,
                     request_deserializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_coordinator__pb2.ReportHangResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -746,6 +765,33 @@ class Coordinator:
             '/ftd.v1.Coordinator/ReportHang',
             ftd_dot_v1_dot_coordinator__pb2.ReportHangRequest.SerializeToString,
             ftd_dot_v1_dot_coordinator__pb2.ReportHangResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/Drain',
+            ftd_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,11 @@ class CoordinatorStub:
     """An agent saw no training progress for its hang timeout. A culprit (its workers are stopped or
     gone) is fenced at once; when every node only waits, the job is restarted in a new round.
     """
+    Drain: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainResponse]
+    """A planned hand-over of a node's rank to a spare (a spot preemption notice, maintenance): the job
+    saves a final checkpoint first, then the new world is committed; the job's restart budget is not
+    charged. NOT_FOUND for an unknown node, FAILED_PRECONDITION for a fenced one.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -110,6 +115,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     ReportHang: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportHangRequest, _coordinator_pb2.ReportHangResponse]  # type: ignore[assignment]
     """An agent saw no training progress for its hang timeout. A culprit (its workers are stopped or
     gone) is fenced at once; when every node only waits, the job is restarted in a new round.
+    """
+    Drain: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DrainRequest, _coordinator_pb2.DrainResponse]  # type: ignore[assignment]
+    """A planned hand-over of a node's rank to a spare (a spot preemption notice, maintenance): the job
+    saves a final checkpoint first, then the new world is committed; the job's restart budget is not
+    charged. NOT_FOUND for an unknown node, FAILED_PRECONDITION for a fenced one.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -242,6 +252,17 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.ReportHangResponse, _abc.Awaitable[_coordinator_pb2.ReportHangResponse]]:
         """An agent saw no training progress for its hang timeout. A culprit (its workers are stopped or
         gone) is fenced at once; when every node only waits, the job is restarted in a new round.
+        """
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _coordinator_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.DrainResponse, _abc.Awaitable[_coordinator_pb2.DrainResponse]]:
+        """A planned hand-over of a node's rank to a spare (a spot preemption notice, maintenance): the job
+        saves a final checkpoint first, then the new world is committed; the job's restart budget is not
+        charged. NOT_FOUND for an unknown node, FAILED_PRECONDITION for a fenced one.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
