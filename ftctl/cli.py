@@ -24,7 +24,7 @@ from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
-from . import checkpoints, demo, drill, localcluster, render, report
+from . import certs, checkpoints, demo, drill, localcluster, render, report
 from .json_shapes import node_dict, status_dict
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
@@ -112,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--wait", action="store_true", help="wait until the hand-over is committed")
     dr.add_argument("--json", action="store_true")
 
+    certs.register(sub)
+
     d = sub.add_parser("drill", help="fault drills against the live cluster, with the measured recovery")
     which = d.add_mutually_exclusive_group(required=True)
     which.add_argument("--kill-node", metavar="NODE", help="SIGKILL this node's training workers and agent")
@@ -179,6 +181,8 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         if args.json:
             _print_json({**outcome, "report": str(args.report)})
         return 0 if outcome["drill"]["passed"] else 1
+    if args.command == "certs":
+        return certs.run(args, env)
     if args.command == "down":
         if args.workdir is None:
             raise UsageError("ftctl down needs --workdir DIR")

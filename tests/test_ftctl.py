@@ -102,3 +102,16 @@ def test_errors_are_clear(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     monkeypatch.delenv("FTD_COORDINATOR")
     rc, _, err = run(capsys, "--coordinator", "not-an-endpoint", "status")
     assert rc == 2 and "HOST:PORT" in err
+
+
+def test_certs_through_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pki_dir = tmp_path / "pki"
+    rc, out, err = run(capsys, "certs", "--pki-dir", str(pki_dir), "init", "--cluster", "c1")
+    assert rc == 0, err
+    rc, out, err = run(capsys, "certs", "--pki-dir", str(pki_dir), "issue", "node", "node-1")
+    assert rc == 0 and "node/node-1" in out, err
+    assert (pki_dir / "nodes" / "node-1.key").stat().st_mode & 0o777 == 0o600
+    rc, out, _ = run(capsys, "certs", "--pki-dir", str(pki_dir), "rotate", "node", "node-1")
+    assert rc == 0 and "rotated" in out
+    rc, _, err = run(capsys, "certs", "--pki-dir", str(pki_dir), "rotate", "node", "nobody")
+    assert rc == 1 and "nobody" in err
