@@ -17,6 +17,7 @@ import grpc
 from ftd import metrics_http, rpc, systemd
 from ftd.coordinator.client import CoordinatorClient
 from ftd.logs import set_identity
+from ftd.storage_backends.tiers import open_tiers, tiers_to_proto
 from ftd.v1 import agent_pb2, cluster_pb2
 
 from . import health, service
@@ -24,7 +25,7 @@ from .heartbeat import Identity, Session
 from .metrics import AgentMetrics
 from .settings import AgentSettings
 from .supervisor import Supervisor
-from .tiering import Tier, Tiering
+from .tiering import Tiering
 from .training import TrainingSupervisor, TrainSpec
 
 log = logging.getLogger("ftd.agent")
@@ -47,35 +48,19 @@ class AgentDaemon:
         self.metrics_address = ""
         self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s)
         self.session: Session  # created in start(), once the agent's own address is known
-        self.tiering = Tiering(self._tiers(), self._catalog_call, settings.keep_per_tier,
+        self.tiering = Tiering(open_tiers(settings.tier_specs), self._catalog_call, settings.keep_per_tier,
                                settings.tier_bandwidth_mb_s * 1e6, settings.tiering_interval_s)
         self._tier_stats_seen: dict[str, dict[str, int]] = {}
         self.training: TrainingSupervisor | None = None
         self._saves_in_flight: dict[tuple[int, int], float] = {}
         self._loop_at = time.monotonic()
 
-    def _tiers(self) -> list[Tier]:
-        from ftd.storage_backends.local import LocalBackend
-
-        s = self.settings
-        tiers = [Tier("ssd", LocalBackend(s.tiers["ssd"]), self.node_id),
-                 Tier("hdd", LocalBackend(s.tiers["hdd"]), "shared" if s.hdd_shared else self.node_id)]
-        if s.s3_endpoint:
-            from ftd.storage_backends.s3 import S3Backend
-
-            tiers.append(Tier("s3", S3Backend(s.s3_bucket, s.s3_prefix, endpoint_url=s.s3_endpoint,
-                                              region=s.s3_region, state_dir=s.workdir / "s3-uploads",
-                                              read_timeout_s=s.s3_timeout_s, max_attempts=s.s3_max_attempts), "s3"))
-        return tiers
-
     def _catalog_call(self, method: str, request: Any) -> Any:
         return self.client.call(method, request, idempotent=True)
 
     def tiers_info(self) -> agent_pb2.Tiers:
-        s = self.settings
-        return agent_pb2.Tiers(node_id=self.node_id, ssd_dir=str(s.tiers["ssd"]), hdd_dir=str(s.tiers["hdd"]),
-                               hdd_shared=s.hdd_shared, s3_endpoint=s.s3_endpoint, s3_bucket=s.s3_bucket,
-                               s3_prefix=s.s3_prefix)
+        """The specs the tiering opened, for the training process to open the same tiers."""
+        return tiers_to_proto(self.node_id, (t.spec for t in self.tiering.tiers))
 
     def _publish_tier_metrics(self) -> None:
         st = self.tiering.stats

@@ -6,9 +6,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftd.rpc import parse_endpoints
 from ftd.coordinator.model import valid_node_id
+from ftd.rpc import parse_endpoints
 from ftd.settings import require, setting
+from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec
 
 ENV_PREFIX = "FTD_AGENT_"
 
@@ -110,3 +111,18 @@ class AgentSettings:
     @property
     def tiers(self) -> dict[str, Path]:
         return {"ssd": self.ssd_dir or self.workdir / "ssd", "hdd": self.hdd_dir or self.workdir / "hdd"}
+
+    @property
+    def tier_specs(self) -> list[TierSpec]:
+        """This node's tiers, fastest first, with every setting: the agent opens them and sends the
+        same specs to the training process (``GetTiers``). Local copies of S3 objects (a restore from
+        the cold tier) are spooled on the SSD tier, the disk sized for checkpoints."""
+        node = self.effective_node_id
+        specs = [TierSpec("ssd", node, LocalSpec(self.tiers["ssd"])),
+                 TierSpec("hdd", "shared" if self.hdd_shared else node, LocalSpec(self.tiers["hdd"]))]
+        if self.s3_endpoint:
+            specs.append(TierSpec("s3", "s3", S3Spec(
+                endpoint=self.s3_endpoint, bucket=self.s3_bucket, prefix=self.s3_prefix, region=self.s3_region,
+                read_timeout_s=self.s3_timeout_s, max_attempts=self.s3_max_attempts,
+                state_dir=self.workdir / "s3-uploads", spool_dir=self.tiers["ssd"])))
+        return specs

@@ -18,28 +18,33 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ftd.checkpoints import catalog as rules
+from ftd.checkpoints.catalog import CheckpointRecord, CopyRef
 from ftd.checkpoints.layout import MANIFEST, ManifestError, ShardManifest, parse_shard_key, shard_prefix
 from ftd.storage_backends.base import (
     AlreadyPublished,
+    Crc32c,
     StorageBackend,
     StorageError,
     StorageFull,
     StorageUnavailable,
 )
+from ftd.storage_backends.tiers import Tier
 
 log = logging.getLogger("ftd.agent.tiering")
 ShardId = tuple[str, int, int]  # (job, step, rank)
+Catalog = Mapping[tuple[str, int], CheckpointRecord]  # (job, step) -> what the catalog says
 
 
 @dataclass
 class TokenBucket:
-    """Bandwidth limit. :meth:`delay` consumes ``n`` bytes at ``now`` and says how long to wait."""
+    """Bandwidth limit. :meth:`delay` consumes ``n`` bytes at ``now`` and says how long to wait; the
+    clock is the caller's, so the limit is testable without time passing. Starts full (``burst``
+    bytes go at once), refills at ``rate`` up to ``burst``; a debt is paid by waiting."""
 
     rate: float  # bytes per second; 0 disables the limit
     burst: float
@@ -55,17 +60,6 @@ class TokenBucket:
         self.last = now
         self.tokens -= n
         return max(0.0, -self.tokens / self.rate)
-
-
-@dataclass(frozen=True)
-class Tier:
-    name: str  # "ssd", "hdd", "s3"
-    backend: StorageBackend
-    location: str  # this node's id for node-local tiers, "shared" / "s3" for shared ones
-
-    @property
-    def shared(self) -> bool:
-        return self.location in ("shared", "s3")
 
 
 @dataclass
@@ -162,11 +156,11 @@ class Tiering:
             records = {job: self._records(job) for job in jobs}
             if any(r is None for r in records.values()):
                 return  # without the catalog nothing is copied or deleted
-            catalog: dict[tuple[str, int], Any] = {}
-            for job, infos in records.items():
-                for info in infos or []:
-                    catalog[(job, info.step)] = info
-                valid = [i.step for i in infos or [] if i.valid]
+            catalog: dict[tuple[str, int], CheckpointRecord] = {}
+            for job, recs in records.items():
+                for rec in recs or []:
+                    catalog[(job, rec.step)] = rec
+                valid = [r.step for r in recs or [] if r.valid]
                 if valid:
                     self.stats.last_valid_step[job] = max(valid)
             now = self.clock()
@@ -182,29 +176,29 @@ class Tiering:
             for tier in self.tiers:
                 self._retain(tier, local, catalog)
 
-    def _records(self, job: str) -> list[Any] | None:
+    def _records(self, job: str) -> list[CheckpointRecord] | None:
         from ftd.v1 import checkpoint_pb2
 
         try:
-            return list(self.catalog("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job=job)).checkpoints)
+            infos = self.catalog("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job=job)).checkpoints
         except Exception as exc:
             log.warning("catalog unreachable, tiering paused: %s", exc)
             return None
+        return [rules.from_info(info) for info in infos]
 
-    def _has_copy(self, info: Any, rank: int, tier: Tier) -> bool:
-        for shard in info.shards:
-            if shard.rank == rank:
-                return any(c.tier == tier.name and c.location == tier.location for c in shard.copies) and \
-                    f"{tier.name}@{tier.location}" not in shard.bad
-        return False
+    @staticmethod
+    def _has_copy(record: CheckpointRecord, rank: int, tier: Tier) -> bool:
+        shard = record.shards.get(rank)
+        return shard is not None and shard.has_good_copy(CopyRef(tier.name, tier.location))
 
-    def _migrate_to(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Mapping[Any, Any]) -> None:
+    def _migrate_to(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Catalog) -> None:
         todo = []
         for ident, manifest in local.items():
-            info = catalog.get((ident[0], ident[1]))
-            committed = info is not None and not info.status.startswith("invalid") and any(
-                s.rank == ident[2] for s in info.shards)
-            if committed and not self._has_copy(info, ident[2], tier):
+            record = catalog.get((ident[0], ident[1]))
+            # Committed by this rank and not invalidated (a step still in progress is copied too).
+            if record is None or record.invalid_reason or ident[2] not in record.shards:
+                continue
+            if not self._has_copy(record, ident[2], tier):
                 todo.append((ident, manifest))
         self.stats.pending[tier.name] = len(todo)
         newest_local = max((s for (_, s, _) in local), default=0)
@@ -226,7 +220,7 @@ class Tiering:
                 log.warning("copy of %s to %s not recorded in the catalog (retried next pass): %s", ident,
                             tier.name, exc)
             self.stats.pending[tier.name] -= 1
-        on_tier = [s for (j, s, r) in local if (info := catalog.get((j, s))) and self._has_copy(info, r, tier)]
+        on_tier = [s for (j, s, r) in local if (rec := catalog.get((j, s))) and self._has_copy(rec, r, tier)]
         self.stats.lag_steps[tier.name] = newest_local - max(on_tier, default=newest_local if not local else 0)
 
     def _copy(self, src: Tier, dst: Tier, manifest: ShardManifest) -> None:
@@ -248,22 +242,21 @@ class Tiering:
         move = Migration(manifest.job, manifest.step, manifest.rank, dst.name, 0, manifest.total_bytes)
         self.current = move
         started = self.clock()
+
+        def progress(n: int) -> None:
+            move.done += n
+            wait = self.bucket.delay(n, self.clock())
+            if wait > 0:
+                self.sleep(wait)
+
         staging = dst.backend.stage(prefix)
         try:
-            for entry in manifest.files:
-                def progress(n: int) -> None:
-                    move.done += n
-                    wait = self.bucket.delay(n, self.clock())
-                    if wait > 0:
-                        self.sleep(wait)
-
-                source = getattr(src.backend, "root", None)
-                if source is not None:  # a local source: put_file lets S3 resume an interrupted upload
-                    written = staging.put_file(entry.name, Path(source) / prefix / entry.name, progress)
-                else:
-                    with src.backend.open_read(f"{prefix}/{entry.name}") as stream:
-                        written = staging.put_stream(entry.name, stream, progress)
-                if written.crc32c != entry.crc32c or written.size != entry.size:
+            # Files, not streams: an upload from a file resumes after an interruption.
+            with src.backend.local_folder(prefix, [e.name for e in manifest.files]) as folder:
+                for entry in manifest.files:
+                    written = staging.put_file(entry.name, folder / entry.name, progress)
+                    if written.crc32c == entry.crc32c and written.size == entry.size:
+                        continue
                     why = (f"{entry.name}: crc32c {written.crc32c} size {written.size}, manifest says "
                            f"{entry.crc32c} size {entry.size}")
                     staging.abort()
@@ -295,14 +288,11 @@ class Tiering:
     def verify(self, job: str, step: int, rank: int, tier_name: str) -> tuple[bool, str, int]:
         """Re-reads one shard copy on one of this node's tiers against the catalog's record:
         the manifest, then every file's size and CRC32C. Returns (ok, what was wrong, bytes read)."""
-        from ftd.storage_backends.base import Crc32c
-
         tier = next((t for t in self.tiers if t.name == tier_name), None)
         if tier is None:
             return False, f"this node has no {tier_name} tier", 0
-        infos = self._records(job)
-        info = next((i for i in infos or [] if i.step == step), None)
-        shard = next((s for s in info.shards if s.rank == rank), None) if info is not None else None
+        record = next((r for r in self._records(job) or [] if r.step == step), None)
+        shard = record.shards.get(rank) if record is not None else None
         if shard is None:
             return False, f"the catalog has no rank {rank} of {job} step {step}", 0
         prefix = shard_prefix(job, step, rank)
@@ -330,7 +320,7 @@ class Tiering:
             return False, f"{where}: {exc}", total
         return True, "", total
 
-    def _retain(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Mapping[Any, Any]) -> None:
+    def _retain(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Catalog) -> None:
         """Per (job, rank) this node is responsible for: keep the newest ``keep`` valid steps
         committed on this tier (see :func:`ftd.checkpoints.catalog.retention`)."""
         mine = {(j, r) for (j, _, r) in local}
@@ -341,7 +331,7 @@ class Tiering:
                 continue  # another node owns that rank now
             by_rank.setdefault((job, rank), {})[step] = manifest
         for (job, rank), steps in by_rank.items():
-            valid = {s: bool(info.valid) for s in steps if (info := catalog.get((job, s))) is not None}
+            valid = {s: rec.valid for s in steps if (rec := catalog.get((job, s))) is not None}
             on_tier = {s: True for s in steps}
             for deletion in rules.retention(on_tier, valid, self.keep):
                 prefix = shard_prefix(job, deletion.step, rank)

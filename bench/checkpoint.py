@@ -146,11 +146,11 @@ def main() -> None:
     size_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     gb = size_bytes / 1e9
 
+    from ftd.checkpoints.catalog import from_info
     from ftd.coordinator.client import CoordinatorClient
     from ftd.ftctl.localcluster import stop, up
     from ftd.testing import wait_for
     from ftd.training import Checkpointer
-    from ftd.training.checkpoint import TierHandle
     from ftd.v1 import checkpoint_pb2
 
     moto, url = (None, "") if args.no_s3 else start_moto(work)
@@ -205,7 +205,8 @@ def main() -> None:
             if not args.no_s3:
                 s3 = next(tier for tier in ck.tiers if tier.name == "s3")
                 t = time.perf_counter()
-                state2 = ck._read(TierHandle("s3", s3.backend, "s3"), info, info.shards[0], "cpu", None, True)
+                record = from_info(info)
+                state2 = ck._read(s3, record, record.shards[0], "cpu", None, True)
                 record("ftd_restore_s3_s", time.perf_counter() - t)
                 del state2
         ck.close()

@@ -1,8 +1,14 @@
 """The checkpoint catalog: what the coordinator keeps in etcd, and the pure rules over it.
 
 A checkpoint (job, step) is **valid** only when every rank ``0..world_size-1`` has committed its shard
-with a checksum and nobody found it unrecoverable. Each shard records its copies by tier and location
-(``("ssd", "node-3")``, ``("hdd", "shared")``, ``("s3", "s3")``) and the copies found corrupt.
+with a checksum and nobody found it unrecoverable. Each shard records its copies as :class:`CopyRef`
+(tier and location: ``ssd@node-3``, ``hdd@shared``, ``s3@s3``) and the copies found corrupt, keyed by
+:attr:`CopyRef.key`.
+
+Whoever reads the catalog over gRPC turns each ``CheckpointInfo`` back into a
+:class:`CheckpointRecord` with :func:`from_info` (the inverse of :func:`to_info`) and asks it typed
+questions (``valid``, ``invalid_reason``, :meth:`ShardRecord.has_good_copy`) instead of parsing
+status strings or building copy keys itself.
 
 Rules (pure functions returning a reason, tested without I/O):
 
@@ -18,12 +24,32 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
+
+from ftd.v1 import checkpoint_pb2
 
 from .layout import FileEntry, ShardManifest
 
 TIERS = ("ssd", "hdd", "s3")
 KV_PREFIX = "ckpt/"
+INVALID = "invalid: "  # how status() starts for an invalidated step; from_info() reads it back
+
+
+class CopyRef(NamedTuple):
+    """Where one copy of a shard lives: a tier and a location on it (a node id for a node-local
+    tier, "shared" or "s3" for shared ones). A tuple, so ``(tier, location)`` pairs compare equal."""
+
+    tier: str
+    location: str
+
+    @property
+    def key(self) -> str:
+        """``"tier@location"``: the key of a corrupt copy in ``ShardRecord.bad`` / ``ShardInfo.bad``,
+        and how a copy is named in messages."""
+        return f"{self.tier}@{self.location}"
+
+    def __str__(self) -> str:
+        return self.key
 
 
 class CatalogError(ValueError):
@@ -41,12 +67,16 @@ class ShardRecord:
     bytes: int
     checksum: str
     files: tuple[FileEntry, ...]
-    copies: frozenset[tuple[str, str]] = frozenset()
-    bad: Mapping[str, str] = field(default_factory=dict)  # "tier@location" -> why it is corrupt
+    copies: frozenset[CopyRef] = frozenset()
+    bad: Mapping[str, str] = field(default_factory=dict)  # CopyRef.key -> why it is corrupt
     committed_unix_s: float = 0.0
 
-    def good_copies(self) -> list[tuple[str, str]]:
-        return sorted(c for c in self.copies if f"{c[0]}@{c[1]}" not in self.bad)
+    def good_copies(self) -> list[CopyRef]:
+        return sorted(c for c in self.copies if c.key not in self.bad)
+
+    def has_good_copy(self, copy: CopyRef) -> bool:
+        """A copy is recorded at ``copy`` and nobody found it corrupt."""
+        return copy in self.copies and copy.key not in self.bad
 
 
 @dataclass(frozen=True)
@@ -88,7 +118,7 @@ class CheckpointRecord:
 
     def status(self) -> str:
         if self.invalid_reason:
-            return f"invalid: {self.invalid_reason}"
+            return f"{INVALID}{self.invalid_reason}"
         if not self.complete:
             return f"in progress: {len(self.shards)} of {self.world_size} shards committed"
         return "valid"
@@ -128,15 +158,15 @@ def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier:
         raise CatalogError("rank", f"rank {manifest.rank} of step {manifest.step} is already committed with "
                                    f"checksum {shard.checksum}, not {manifest.checksum}; a step is never rewritten",
                            exists=True)
-    copy = (tier, location)
+    copy = CopyRef(tier, location)
     if shard is None:
         shard = ShardRecord(manifest.rank, manifest.total_bytes, manifest.checksum, manifest.files, frozenset([copy]),
                             {}, now)
-        what = f"rank {manifest.rank} committed on {tier}@{location}"
+        what = f"rank {manifest.rank} committed on {copy}"
     else:
-        bad = {k: v for k, v in shard.bad.items() if k != f"{tier}@{location}"}  # a fresh copy heals a bad one
+        bad = {k: v for k, v in shard.bad.items() if k != copy.key}  # a fresh copy heals a bad one
         shard = replace(shard, copies=shard.copies | {copy}, bad=bad)
-        what = f"rank {manifest.rank} copy recorded on {tier}@{location}"
+        what = f"rank {manifest.rank} copy recorded on {copy}"
     new = replace(record, shards={**record.shards, manifest.rank: shard})
     if new.valid and not record.valid:
         what += f"; step {manifest.step} is now valid ({new.world_size} shards)"
@@ -151,8 +181,9 @@ def add_copy(record: CheckpointRecord, rank: int, tier: str, location: str) -> C
     shard = record.shards.get(rank)
     if shard is None:
         raise CatalogError("rank", f"step {record.step} of job {record.job} has no committed rank {rank}")
-    bad = {k: v for k, v in shard.bad.items() if k != f"{tier}@{location}"}
-    shard = replace(shard, copies=shard.copies | {(tier, location)}, bad=bad)
+    copy = CopyRef(tier, location)
+    bad = {k: v for k, v in shard.bad.items() if k != copy.key}
+    shard = replace(shard, copies=shard.copies | {copy}, bad=bad)
     return replace(record, shards={**record.shards, rank: shard})
 
 
@@ -161,10 +192,11 @@ def drop_copy(record: CheckpointRecord, rank: int, tier: str, location: str, cor
     shard = record.shards.get(rank)
     if shard is None:
         return record
+    copy = CopyRef(tier, location)
     if corrupt:
-        shard = replace(shard, bad={**shard.bad, f"{tier}@{location}": corrupt})
+        shard = replace(shard, bad={**shard.bad, copy.key: corrupt})
     else:
-        shard = replace(shard, copies=shard.copies - {(tier, location)})
+        shard = replace(shard, copies=shard.copies - {copy})
     return replace(record, shards={**record.shards, rank: shard})
 
 
@@ -293,7 +325,7 @@ def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], l
             elif len(parts) == 3 and parts[2].startswith("rank-"):
                 s = ShardRecord(int(data["rank"]), int(data["bytes"]), str(data["checksum"]),
                                 tuple(FileEntry(str(n), int(z), str(c)) for n, z, c in data["files"]),
-                                frozenset((str(t), str(loc)) for t, loc in data["copies"]),
+                                frozenset(CopyRef(str(t), str(loc)) for t, loc in data["copies"]),
                                 {str(k): str(v) for k, v in data.get("bad", {}).items()},
                                 float(data.get("committed_unix_s", 0.0)))
                 shards.setdefault((parts[0], int(parts[1])), {})[s.rank] = s
@@ -313,6 +345,42 @@ def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], l
         except (ValueError, KeyError, TypeError) as exc:
             problems.append(f"catalog step {job}/{step} has no usable meta record: {exc}")
     return records, rollbacks, problems
+
+
+# ---- codec (the gRPC form, CheckpointInfo) ---------------------------------------------------------
+
+
+def to_info(record: CheckpointRecord) -> checkpoint_pb2.CheckpointInfo:
+    """A record as the catalog RPCs return it; :func:`from_info` is its inverse."""
+    info = checkpoint_pb2.CheckpointInfo(
+        job=record.job, step=record.step, epoch=record.epoch, world_size=record.world_size, format=record.format,
+        created_unix_s=record.created_unix_s, valid=record.valid, status=record.status(), bytes=record.total_bytes,
+        on_tier={t: record.on_tier(t) for t in TIERS},
+    )
+    for rank in sorted(record.shards):
+        s = record.shards[rank]
+        info.shards.append(checkpoint_pb2.ShardInfo(
+            rank=rank, bytes=s.bytes, checksum=s.checksum,
+            files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in s.files],
+            copies=[checkpoint_pb2.ShardCopy(tier=c.tier, location=c.location) for c in sorted(s.copies)],
+            bad=dict(s.bad)))
+    return info
+
+
+def from_info(info: checkpoint_pb2.CheckpointInfo) -> CheckpointRecord:
+    """The record behind a ``CheckpointInfo`` (as :func:`to_info` made it), for typed questions:
+    ``valid``, ``invalid_reason``, a shard's good copies. What the wire form does not carry (when
+    each shard was committed) is 0."""
+    reason = ""
+    if info.status.startswith(INVALID):
+        reason = info.status[len(INVALID):] or "invalid"
+    shards = {
+        s.rank: ShardRecord(s.rank, s.bytes, s.checksum, tuple(FileEntry(f.name, f.size, f.crc32c) for f in s.files),
+                            frozenset(CopyRef(c.tier, c.location) for c in s.copies), dict(s.bad))
+        for s in info.shards
+    }
+    return CheckpointRecord(info.job, info.step, info.epoch, info.world_size, info.format, info.created_unix_s,
+                            shards, reason)
 
 
 def _dump(data: Any) -> bytes:

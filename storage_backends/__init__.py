@@ -1,5 +1,7 @@
 """Storage tiers for checkpoint shards: local directories and S3-compatible object storage.
 
+Open tiers with :func:`open_backend` / :func:`open_tier` from a :class:`TierSpec` (module
+:mod:`.tiers`); callers then use the :class:`StorageBackend` and :class:`Staging` interfaces only.
 :class:`S3Backend` is imported on first use: boto3 is an optional dependency (the ``s3`` extra).
 """
 
@@ -24,6 +26,7 @@ from .base import (
     validate_key,
 )
 from .local import LocalBackend, LocalStaging
+from .tiers import LocalSpec, S3Spec, Tier, TierSpec, open_backend, open_tier, open_tiers
 
 if TYPE_CHECKING:
     from .s3 import S3Backend, S3Staging
@@ -42,18 +45,25 @@ __all__ = [
     "ChecksumMismatch",
     "InvalidKey",
     "LocalBackend",
+    "LocalSpec",
     "LocalStaging",
     "ObjectInfo",
     "ObjectNotFound",
     "Progress",
     "S3Backend",
+    "S3Spec",
     "S3Staging",
     "Staging",
     "StorageBackend",
     "StorageError",
     "StorageFull",
     "StorageUnavailable",
+    "Tier",
+    "TierSpec",
     "crc32c_file",
     "crc32c_hex",
+    "open_backend",
+    "open_tier",
+    "open_tiers",
     "validate_key",
 ]

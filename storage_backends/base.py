@@ -23,6 +23,16 @@ Checksums are CRC32C (hardware-accelerated, 11 GB/s here, and S3's native checks
 reused read buffer with no copy (google-crc32c takes only ``bytes``: a copy per chunk).
 ``ObjectInfo.crc32c`` is filled when the backend knows it (it computed it while writing, or stored it
 as object metadata), else ``None``.
+
+**Callers never need to know which backend they hold.** A writer whose library wants file paths
+(``torch.save``, ``torch.distributed.checkpoint``) writes into :meth:`Staging.local_dir`, reads back
+the sizes and CRC32Cs from :meth:`Staging.objects` for its manifest, and :meth:`Staging.publish` makes
+those files durable (fsync on a directory, upload on an object store) before the marker commits them.
+A reader that wants paths asks :meth:`StorageBackend.local_folder`: a directory tier hands out the
+folder itself, an object store downloads (verified) into a temporary directory.
+
+Key rules shared by every backend (:func:`check_key`, :func:`is_reserved`, :func:`folder_of`) live
+here too, so that both tiers refuse exactly the same keys.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import builtins
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -40,6 +50,7 @@ from typing import BinaryIO, Protocol
 import crc32c as _crc32c
 
 Progress = Callable[[int], None]  # called with the byte count of each chunk moved; may raise to abort
+CHUNK = 8 << 20  # bytes per read/write: large enough for full disk bandwidth, small enough for progress
 
 _BAD_SEGMENT = re.compile(r"^(\.|\.\.)$")
 
@@ -106,6 +117,27 @@ def validate_key(backend: str, key: str, *, allow_empty: bool = False) -> str:
     return key
 
 
+def is_reserved(segment: str) -> bool:
+    """True for names ftd keeps for itself (temp files, staging/trash dirs, upload journals)."""
+    return segment.startswith(".") and "ftd-" in segment
+
+
+def check_key(backend: str, key: str, *, allow_empty: bool = False, obj: bool = False) -> str:
+    """:func:`validate_key`, plus: no reserved segment; an object key (``obj``) has no trailing ``/``
+    (it would name a folder on one tier and an object on another)."""
+    validate_key(backend, key, allow_empty=allow_empty)
+    if any(is_reserved(seg) for seg in key.split("/")):
+        raise InvalidKey(backend, key[:200], "segments starting with '.' and containing 'ftd-' are reserved")
+    if obj and key.endswith("/"):
+        raise InvalidKey(backend, key[:200], "an object key must not end with '/'")
+    return key
+
+
+def folder_of(prefix: str) -> str:
+    """``"a/b"`` and ``"a/b/"`` name the same folder."""
+    return prefix.rstrip("/")
+
+
 class Crc32c:
     """Streaming CRC32C."""
 
@@ -146,7 +178,9 @@ def crc32c_file(path: Path, chunk: int = 16 << 20, progress: Progress | None = N
 
 
 class Staging(Protocol):
-    """A folder being written; invisible to readers until :meth:`publish`."""
+    """A folder being written; invisible to readers until :meth:`publish`. The staging owns the
+    whole commit: callers write objects (``put_*``) or files (:meth:`local_dir`), and :meth:`publish`
+    makes them durable and visible at once, whatever the backend."""
 
     prefix: str
 
@@ -154,7 +188,21 @@ class Staging(Protocol):
 
     def put_file(self, name: str, path: Path, progress: Progress | None = None) -> ObjectInfo: ...
 
-    def publish(self, marker_name: str, marker: bytes) -> None: ...
+    def local_dir(self) -> Path:
+        """A local directory for writers that need paths: every regular file in it when
+        :meth:`publish` runs becomes an object of the folder (named by its path relative to the
+        directory). Callers never fsync or upload these files themselves: publish does."""
+        ...
+
+    def objects(self) -> list[ObjectInfo]:
+        """What the folder holds so far (``put_*`` objects and the files of :meth:`local_dir`), keys
+        relative to the folder, sorted, each with its size and CRC32C (never ``None`` here): what a
+        manifest written as the marker needs."""
+        ...
+
+    def publish(self, marker_name: str, marker: bytes) -> None:
+        """Makes every object durable, then writes ``marker`` last: the commit point."""
+        ...
 
     def abort(self) -> None: ...
 
@@ -176,6 +224,13 @@ class StorageBackend(Protocol):
         """Downloads to ``path`` atomically (temp + rename); verifies the CRC32C when known."""
         ...
 
+    def local_folder(self, prefix: str, names: Iterable[str]) -> AbstractContextManager[Path]:
+        """A local directory holding the objects ``names`` of folder ``prefix``, for readers that need
+        paths (``torch.load(mmap=True)``, DCP) or for uploads that resume from a file. A directory tier
+        yields the folder itself (no copy); an object store downloads each object, verified against
+        its stored CRC32C, into a temporary directory removed on exit."""
+        ...
+
     def stat(self, key: str) -> ObjectInfo | None: ...
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -195,8 +250,10 @@ class StorageBackend(Protocol):
 
     def is_published(self, prefix: str, marker_name: str) -> bool: ...
 
-    def cleanup(self, prefix: str = "", older_than_s: float = 0.0, *,
-                marker_name: str = ...) -> builtins.list[str]:
+    def cleanup(self, prefix: str = "", older_than_s: float = 0.0, *, marker_name: str = ...,
+                select: Callable[[str], bool] | None = None) -> builtins.list[str]:
         """Removes unpublished leftovers older than ``older_than_s`` (folders without ``marker_name``
-        on object stores); returns what was removed."""
+        on object stores); returns what was removed. ``select``, given the key of the folder or
+        object a leftover would have become, limits the cleanup to the leftovers it accepts (one
+        writer cleaning only its own, e.g. one rank's shard folders among every rank's)."""
         ...

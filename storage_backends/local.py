@@ -19,10 +19,14 @@ Why each step is there:
   (temp files, staging and trash dirs, upload journals): :meth:`LocalBackend.list` skips such
   entries and keys using them are refused with :class:`InvalidKey`.
 
-OS errors are translated once, here: ENOSPC/EDQUOT → :class:`StorageFull`, a missing object on read
-→ :class:`ObjectNotFound`, anything else → :class:`StorageError`, the cause chained. On any failure
-the temp file or dir is removed, so a full disk leaves no partial files and published data is never
-touched. The helpers for atomic local files are public because the S3 tier's ``get_file`` uses them.
+* **Writers that need paths write in place.** :meth:`LocalStaging.local_dir` is the hidden staging
+  dir itself, so ``torch.save`` writes the final bytes once; :meth:`LocalStaging.publish` fsyncs
+  those files with the rest, and :meth:`LocalBackend.local_folder` hands a published folder out as is.
+
+OS errors are translated once (:func:`.atomic_files.os_error`): ENOSPC/EDQUOT → :class:`StorageFull`,
+a missing object on read → :class:`ObjectNotFound`, anything else → :class:`StorageError`, the cause
+chained. On any failure the temp file or dir is removed, so a full disk leaves no partial files and
+published data is never touched.
 """
 
 from __future__ import annotations
@@ -34,113 +38,43 @@ import io
 import logging
 import os
 import re
-import secrets
 import shutil
 import stat as stat_mod
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, suppress
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
-from types import TracebackType
 from typing import Any, BinaryIO
 
+from .atomic_files import (
+    AtomicFile,
+    copy_into,
+    fsync_dir,
+    fsync_file,
+    leftover_name,
+    make_dirs,
+    os_error,
+    read_crc_xattr,
+)
 from .base import (
     AlreadyPublished,
     ChecksumMismatch,
-    Crc32c,
     InvalidKey,
     ObjectInfo,
     ObjectNotFound,
     Progress,
     StorageError,
-    StorageFull,
-    validate_key,
+    check_key,
+    crc32c_file,
+    folder_of,
+    is_reserved,
 )
 
 log = logging.getLogger(__name__)
 
-CHUNK = 8 << 20  # bytes per read/write: large enough for full disk bandwidth, small enough for progress
-XATTR_CRC32C = "user.ftd.crc32c"
-
-_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 # What an interrupted writer or delete leaves behind: .<name>.ftd-<kind>-<12 hex>.
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.ftd-(?P<kind>tmp|stage|trash)-[0-9a-f]{12}$")
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
-
-
-# ---- keys ------------------------------------------------------------------------------------
-
-
-def is_reserved(segment: str) -> bool:
-    """True for names ftd keeps for itself (temp files, staging/trash dirs, upload journals)."""
-    return segment.startswith(".") and "ftd-" in segment
-
-
-def check_key(backend: str, key: str, *, allow_empty: bool = False, obj: bool = False) -> str:
-    """:func:`validate_key`, plus: no reserved segment; an object key (``obj``) has no trailing ``/``
-    (it would name a folder on one tier and an object on another)."""
-    validate_key(backend, key, allow_empty=allow_empty)
-    if any(is_reserved(seg) for seg in key.split("/")):
-        raise InvalidKey(backend, key[:200], "segments starting with '.' and containing 'ftd-' are reserved")
-    if obj and key.endswith("/"):
-        raise InvalidKey(backend, key[:200], "an object key must not end with '/'")
-    return key
-
-
-def folder_of(prefix: str) -> str:
-    """``"a/b"`` and ``"a/b/"`` name the same folder."""
-    return prefix.rstrip("/")
-
-
-def leftover_name(final: Path, kind: str) -> Path:
-    return final.parent / f".{final.name}.ftd-{kind}-{secrets.token_hex(6)}"
-
-
-# ---- OS error translation ----------------------------------------------------------------------
-
-
-def os_error(backend: str, key: str, path: Path | str, exc: OSError, op: str) -> StorageError:
-    """The one table from OS errors to storage errors (callers map ENOENT on reads themselves)."""
-    if exc.errno in _FULL_ERRNOS:
-        return StorageFull(backend, key, f"no space left on the device holding {path} ({op}: {exc.strerror})")
-    return StorageError(backend, key, f"{op} {path}: {exc.strerror or exc}")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def make_dirs(path: Path) -> None:
-    """``mkdir -p`` that fsyncs the parent of every directory it creates, so that a durable object
-    is not lost with a directory entry that was never written out."""
-    missing: list[Path] = []
-    p = path
-    while not p.is_dir():
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir()
-        except FileExistsError:
-            if not d.is_dir():
-                raise
-            continue
-        fsync_dir(d.parent)
-
-
-def read_crc_xattr(path: Path | int) -> str | None:
-    try:
-        value = os.getxattr(path, XATTR_CRC32C).decode("ascii", "replace")
-    except OSError:  # no attribute, or a filesystem without user xattrs
-        return None
-    return value if _CRC_RE.match(value) else None
 
 
 def _libc_renameat2() -> Any:
@@ -172,82 +106,6 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
     os.rename(src, dst)
-
-
-class AtomicFile(AbstractContextManager["AtomicFile"]):
-    """A hidden temp file next to ``dest`` that becomes ``dest`` on :meth:`commit` (fsync, rename,
-    fsync of the dir), or disappears when the block exits without a commit. Counts bytes and
-    computes the CRC32C of what is written; every OS error is translated (ENOSPC → StorageFull)."""
-
-    def __init__(self, dest: Path, *, backend: str, key: str) -> None:
-        self.dest = dest
-        self.backend = backend
-        self.key = key
-        self.tmp = leftover_name(dest, "tmp")
-        self.size = 0
-        self._crc = Crc32c()
-        self._fd: int | None = None
-        self._committed = False
-
-    def _fail(self, exc: OSError, op: str) -> StorageError:
-        return os_error(self.backend, self.key, self.dest, exc, op)
-
-    def __enter__(self) -> AtomicFile:
-        try:
-            make_dirs(self.dest.parent)
-            self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise self._fail(exc, "create") from exc
-        return self
-
-    def write(self, data: bytes) -> None:
-        assert self._fd is not None, "AtomicFile used outside its with-block"
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-        except OSError as exc:
-            raise self._fail(exc, "write") from exc
-        self._crc.update(data)
-        self.size += len(data)
-
-    def crc32c(self) -> str:
-        return self._crc.hexdigest()
-
-    def commit(self, *, crc_xattr: str | None = None) -> None:
-        assert self._fd is not None, "AtomicFile used outside its with-block"
-        try:
-            if crc_xattr is not None:
-                with suppress(OSError):  # a filesystem without user xattrs: crc32c is unknown later
-                    os.setxattr(self._fd, XATTR_CRC32C, crc_xattr.encode("ascii"))
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            os.replace(self.tmp, self.dest)
-            self._committed = True
-            fsync_dir(self.dest.parent)
-        except OSError as exc:
-            raise self._fail(exc, "commit") from exc
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._fd is not None:
-            with suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
-        if not self._committed:
-            with suppress(OSError):
-                os.unlink(self.tmp)
-
-
-def copy_into(out: AtomicFile, src: BinaryIO, progress: Progress | None) -> None:
-    """Streams ``src`` into ``out`` in :data:`CHUNK` pieces. Errors reading ``src`` are the caller's
-    (its own stream) and pass through untranslated."""
-    while block := src.read(CHUNK):
-        out.write(block)
-        if progress is not None:
-            progress(len(block))
 
 
 # ---- the backend -------------------------------------------------------------------------------
@@ -340,6 +198,14 @@ class LocalBackend:
                 out.commit()
         return ObjectInfo(key, out.size, mtime, actual)
 
+    @contextmanager
+    def local_folder(self, prefix: str, names: Iterable[str]) -> Iterator[Path]:
+        """The folder itself: its files are already local (no copy, nothing verified here)."""
+        folder = self._path(folder_of(prefix), obj=False)
+        for name in names:
+            check_key(self.name, name, obj=True)
+        yield folder
+
     def stat(self, key: str) -> ObjectInfo | None:
         return self._info(key, self._path(key))
 
@@ -420,7 +286,8 @@ class LocalBackend:
         return (final / marker_name).is_file()
 
     def cleanup(
-        self, prefix: str = "", older_than_s: float = 0.0, *, marker_name: str | None = None
+        self, prefix: str = "", older_than_s: float = 0.0, *, marker_name: str | None = None,
+        select: Callable[[str], bool] | None = None,
     ) -> builtins.list[str]:
         """Removes temp files, staging dirs and trash (from interrupted puts, writers and deletes)
         whose newest entry is older than ``older_than_s``. Published folders hold none of these, so
@@ -439,7 +306,9 @@ class LocalBackend:
                     continue
                 entry = here / name
                 logical = self._key(here / m.group("name"))
-                if not logical.startswith(prefix) or _newest_mtime(entry) > cutoff:
+                if not logical.startswith(prefix) or (select is not None and not select(logical)):
+                    continue
+                if _newest_mtime(entry) > cutoff:
                     continue
                 try:
                     if entry.is_dir() and not entry.is_symlink():
@@ -491,6 +360,7 @@ class LocalStaging:
         self.final = final
         self.tmp = tmp
         self._state = "open"  # -> "published" | "aborted"
+        self._put: dict[str, ObjectInfo] = {}  # name -> what put_* wrote (already fsynced, CRC32C known)
 
     def _check_open(self) -> None:
         if self._state == "published":
@@ -503,21 +373,64 @@ class LocalStaging:
         check_key(self.backend.name, name, obj=True)
         return f"{self.prefix}/{name}", self.tmp / name
 
+    def _record(self, name: str, info: ObjectInfo) -> ObjectInfo:
+        self._put[name] = info
+        return info
+
     def put_stream(self, name: str, src: BinaryIO, progress: Progress | None = None) -> ObjectInfo:
         key, dest = self._dest(name)
-        return self.backend._put(key, dest, src, progress)
+        return self._record(name, self.backend._put(key, dest, src, progress))
 
     def put_file(self, name: str, path: Path, progress: Progress | None = None) -> ObjectInfo:
         key, dest = self._dest(name)
         with open(path, "rb") as src:
-            return self.backend._put(key, dest, src, progress)
+            return self._record(name, self.backend._put(key, dest, src, progress))
+
+    def local_dir(self) -> Path:
+        """The staging dir itself: files written here are the folder's final bytes (no copy)."""
+        self._check_open()
+        return self.tmp
+
+    def _files(self) -> list[str]:
+        """Every regular file of the staged tree, relative, sorted (ftd's own temp names skipped)."""
+        out: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(self.tmp):
+            dirnames[:] = [d for d in dirnames if not is_reserved(d)]
+            here = Path(dirpath)
+            out += [(here / f).relative_to(self.tmp).as_posix() for f in filenames
+                    if not is_reserved(f) and (here / f).is_file()]
+        return sorted(out)
+
+    def objects(self) -> list[ObjectInfo]:
+        self._check_open()
+        out: list[ObjectInfo] = []
+        for name in self._files():
+            check_key(self.backend.name, name, obj=True)
+            known = self._put.get(name)
+            path = self.tmp / name
+            try:
+                if known is not None and known.crc32c is not None:
+                    out.append(ObjectInfo(name, known.size, known.mtime, known.crc32c))
+                else:
+                    st = path.stat()
+                    out.append(ObjectInfo(name, st.st_size, st.st_mtime, crc32c_file(path)))
+            except OSError as exc:
+                raise os_error(self.backend.name, f"{self.prefix}/{name}", path, exc, "read") from exc
+        return out
 
     def publish(self, marker_name: str, marker: bytes) -> None:
-        """Writes the marker last, fsyncs every dir of the staged tree (files were fsynced as they
-        were written) and renames the tree into place without replacing anything."""
+        """Fsyncs the files written into :meth:`local_dir` (``put_*`` objects were fsynced as they
+        were written), writes the marker last, fsyncs every dir of the staged tree and renames the
+        tree into place without replacing anything."""
         key, dest = self._dest(marker_name)
-        self.backend._put(key, dest, io.BytesIO(marker), None)
         name = self.backend.name
+        try:
+            for rel in self._files():
+                if rel not in self._put:
+                    fsync_file(self.tmp / rel)
+        except OSError as exc:
+            raise os_error(name, self.prefix, self.tmp, exc, "fsync") from exc
+        self.backend._put(key, dest, io.BytesIO(marker), None)
         try:
             for dirpath, _, _ in os.walk(self.tmp):
                 fsync_dir(Path(dirpath))
@@ -546,17 +459,7 @@ class LocalStaging:
 
 
 __all__ = [
-    "CHUNK",
-    "XATTR_CRC32C",
-    "AtomicFile",
     "LocalBackend",
     "LocalStaging",
-    "check_key",
-    "copy_into",
-    "folder_of",
-    "fsync_dir",
-    "is_reserved",
-    "make_dirs",
-    "os_error",
     "rename_noreplace",
 ]

@@ -1,16 +1,20 @@
 """Test helpers for the storage tiers: moto's standalone S3 server as a real HTTP endpoint on a free
-loopback port (boto3 talks to it over a socket, as to a real store), and a small tmpfs for disk-full
-tests."""
+loopback port (boto3 talks to it over a socket, as to a real store), a proxy in front of it that
+checks request regions as AWS does, and a small tmpfs for disk-full tests."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +61,15 @@ class MotoServer:
             return True
         return False
 
-    def client(self) -> Any:
+    def client(self, region: str = "us-east-1") -> Any:
         """A client configured as :class:`S3Backend` makes its own (no botocore retries)."""
-        return make_client(self.endpoint, "us-east-1", aws_access_key_id="testing",
+        return make_client(self.endpoint, region, aws_access_key_id="testing",
                            aws_secret_access_key="testing", session=self._session)
 
-    def new_bucket(self) -> str:
+    def new_bucket(self, region: str = "us-east-1") -> str:
         name = f"ftd-test-{uuid.uuid4().hex[:16]}"
-        self.client().create_bucket(Bucket=name)
+        where = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+        self.client(region).create_bucket(Bucket=name, **where)
         return name
 
     def stop(self) -> None:
@@ -72,6 +77,77 @@ class MotoServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+class RegionCheckingProxy:
+    """An HTTP proxy in front of moto (which serves any region) that refuses every request signed for
+    another region than the bucket's, with ``AuthorizationHeaderMalformed`` (HTTP 400), and does not
+    name the right region, so botocore cannot redirect: like a store that enforces its region, it
+    works only for a client configured with the bucket's region. ``refused`` lists what it turned
+    away."""
+
+    _SCOPE = re.compile(r"Credential=[^/,]+/\d{8}/([^/,]+)/s3/aws4_request")
+
+    def __init__(self, upstream_port: int, region: str) -> None:
+        self.upstream_port = upstream_port
+        self.region = region
+        self.refused: list[str] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, and "Expect: 100-continue" answered
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                scope = proxy._SCOPE.search(self.headers.get("Authorization", ""))
+                signed = scope.group(1) if scope else ""
+                if signed != proxy.region:
+                    proxy.refused.append(f"{self.command} {self.path} signed for {signed!r}")
+                    error = (f"<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region '{signed}' is "
+                             "wrong for this bucket</Message></Error>")
+                    self._answer(400, "Bad Request", [("Content-Type", "application/xml")], error.encode())
+                    return
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                try:
+                    skip = ("expect", "connection", "transfer-encoding", "content-length")
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                    headers["Content-Length"] = str(len(body))
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    resp = upstream.getresponse()
+                    data = resp.read()
+                    kept = [(k, v) for k, v in resp.getheaders()
+                            if k.lower() not in ("connection", "transfer-encoding", "content-length")]
+                    length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                    self._answer(resp.status, resp.reason, kept, data, length)
+                finally:
+                    upstream.close()
+
+            def _answer(self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes,
+                        length: str | None = None) -> None:
+                self.send_response(status, reason)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", length if length is not None else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> RegionCheckingProxy:
+        threading.Thread(target=self._server.serve_forever, name="region-proxy", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 @contextlib.contextmanager

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ftd.checkpoints.catalog import (
     CatalogError,
+    CopyRef,
     Rollback,
+    add_copy,
     commit_shard,
     decode_all,
     drop_copy,
     encode,
     encode_rollback,
+    from_info,
     restore_target,
     retention,
     rollback,
+    to_info,
 )
 from ftd.checkpoints.layout import (
     BadIdentifier,
@@ -136,3 +142,32 @@ def test_codec_roundtrip_and_corrupt_keys_are_reported_not_fatal() -> None:
     records, _, problems = decode_all(kv)
     assert problems and "rank-00001" in problems[0]
     assert not records[("job1", 100)].valid and "corrupt" in records[("job1", 100)].invalid_reason
+
+
+def test_a_copy_is_named_one_way_everywhere() -> None:
+    ssd = CopyRef("ssd", "node-1")
+    assert ssd.key == str(ssd) == f"{ssd}" == "ssd@node-1"
+    assert ssd == ("ssd", "node-1")  # still the (tier, location) pair that records and RPCs carry
+    record, _ = commit_shard(None, manifest(rank=0, world=1), "ssd", "node-1", 1.0)
+    record = add_copy(record, 0, "hdd", "shared")
+    record = drop_copy(record, 0, "ssd", "node-1", corrupt="crc32c mismatch")
+    shard = record.shards[0]
+    assert dict(shard.bad) == {"ssd@node-1": "crc32c mismatch"}
+    assert not shard.has_good_copy(ssd) and shard.has_good_copy(CopyRef("hdd", "shared"))
+    assert shard.good_copies() == [CopyRef("hdd", "shared")]
+    healed = add_copy(record, 0, "ssd", "node-1")  # a fresh copy heals the bad one
+    assert healed.shards[0].has_good_copy(ssd) and not healed.shards[0].bad
+
+
+def test_the_grpc_form_reads_back_into_the_same_record() -> None:
+    in_progress, _ = commit_shard(None, manifest(rank=1), "ssd", "node-2", 1.0)
+    valid, _ = commit_shard(in_progress, manifest(rank=0), "ssd", "node-1", 2.0)
+    valid = drop_copy(add_copy(valid, 0, "s3", "s3"), 1, "ssd", "node-2", corrupt="bit flip")
+    invalid = replace(valid, invalid_reason="rank 1: no tier holds a verified copy")
+    for record in (in_progress, valid, invalid):
+        back = from_info(to_info(record))
+        committed_at_dropped = {r: replace(s, committed_unix_s=0.0) for r, s in record.shards.items()}
+        assert back == replace(record, shards=committed_at_dropped)  # the wire form has no commit times
+        assert (back.valid, back.invalid_reason) == (record.valid, record.invalid_reason)
+    assert [from_info(to_info(r)).status() for r in (in_progress, valid, invalid)] == [
+        "in progress: 1 of 2 shards committed", "valid", "invalid: rank 1: no tier holds a verified copy"]

@@ -1,5 +1,6 @@
 """The cold tier on moto's S3 server over HTTP: shards migrate SSD → HDD → S3, a restore falls back
-to S3 when the faster tiers are corrupt, and an unreachable S3 only makes the cold tier lag."""
+to S3 when the faster tiers are corrupt (also from a bucket outside the default region), and an
+unreachable S3 only makes the cold tier lag."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from storage_fixtures import MotoServer
+from storage_fixtures import MotoServer, RegionCheckingProxy
 
 from ftd.checkpoints.layout import shard_prefix
 from ftd.coordinator.client import CoordinatorClient
@@ -98,3 +99,36 @@ def test_cold_tier_migration_restore_and_outage(s3_cluster: tuple[ClusterFile, M
     finally:
         ck.close()
         client.close()
+
+
+def test_a_restore_from_s3_outside_the_default_region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training side opens the cold tier with the agent's region (and every other S3 setting):
+    a store that refuses requests signed for another region serves both the agent's migrations and
+    the training's restore."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    moto = MotoServer(tmp_path / "moto.log").start()
+    proxy = RegionCheckingProxy(moto.port, "eu-west-2").start()
+    cluster = up(tmp_path / "c", nodes=1, spares=0, s3_endpoint=proxy.endpoint, s3_bucket=moto.new_bucket("eu-west-2"),
+                 extra_agent_args=["--tiering-interval-s", "0.5", "--s3-region", "eu-west-2"])
+    node_dir = Path(cluster.agents[0].info["workdir"])
+    client = CoordinatorClient(cluster.coordinator_endpoints)
+    ck = Checkpointer(JOB, rank=0, world_size=1, agent_socket=cluster.agents[0].info["socket"],
+                      install_signal_handlers=False)
+    try:
+        ck.save(1, {"w": torch.arange(100_000, dtype=torch.float32), "step": 1})
+        assert ck.wait().ok  # type: ignore[union-attr]
+        wait_for(lambda: (i := info_of(client, 1)) is not None and i.on_tier["s3"] and i.on_tier["hdd"], 30,
+                 "step 1 on HDD and S3")
+        for root in (node_dir / "ssd", Path(cluster.workdir) / "shared" / "hdd"):
+            (root / shard_prefix(JOB, 1, 0) / "state.pt").write_bytes(b"\0" * 100)
+        step, loaded = ck.load_latest()  # type: ignore[misc]
+        assert step == 1 and torch.equal(loaded["w"], torch.arange(100_000, dtype=torch.float32))
+        assert set(next(s for s in info_of(client, 1).shards if s.rank == 0).bad) == {"ssd@node-0", "hdd@shared"}
+        assert proxy.refused == []
+    finally:
+        ck.close()
+        client.close()
+        stop(cluster)
+        proxy.stop()
+        moto.stop()

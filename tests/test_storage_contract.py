@@ -9,13 +9,13 @@ import io
 import os
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ResponseStreamingError
-from storage_fixtures import MotoServer, small_tmpfs
+from storage_fixtures import MotoServer, RegionCheckingProxy, small_tmpfs
 
 from ftd.ftctl.etcd_server import free_port
 from ftd.storage_backends.base import (
@@ -27,9 +27,11 @@ from ftd.storage_backends.base import (
     StorageFull,
     StorageUnavailable,
     crc32c_hex,
+    is_reserved,
 )
-from ftd.storage_backends.local import LocalBackend, is_reserved
+from ftd.storage_backends.local import LocalBackend
 from ftd.storage_backends.s3 import PENDING, S3Backend, crc_b64
+from ftd.storage_backends.tiers import S3Spec, TierSpec, open_backend
 
 MiB = 1 << 20
 PART = 5 * MiB  # the S3 tier's part size here: S3's minimum, so 13-28 MiB objects are multipart
@@ -251,6 +253,7 @@ def test_every_invalid_key_is_refused_before_any_io(tier: Tier, tmp_path: Path, 
     ]
     if bad:
         ops.append(lambda: list(b.list(bad)))
+    ops += [lambda: b.local_folder(bad, ["x"]).__enter__(), lambda: b.local_folder("ok", [bad]).__enter__()]
     for op in ops:
         with pytest.raises(InvalidKey):
             op()
@@ -401,6 +404,75 @@ def test_a_progress_callback_that_raises_aborts_the_transfer(tier: Tier, tmp_pat
     assert os.listdir(dest.parent) == []
 
 
+def test_files_written_into_local_dir_are_committed_by_publish(tier: Tier) -> None:
+    """A writer that needs paths (torch.save, DCP) writes files; the staging does the rest on any tier."""
+    b = tier.backend
+    data = blob(6 * MiB + 5, seed=21)  # larger than one S3 part: uploaded as a multipart upload
+    st = b.stage("job/step-5/rank-0")
+    d = st.local_dir()
+    (d / "state.pt").write_bytes(data)
+    (d / "sub").mkdir()
+    (d / "sub" / "x.bin").write_bytes(b"x")
+    st.put_stream("meta.json", io.BytesIO(b"{}"))
+    assert [(o.key, o.size, o.crc32c) for o in st.objects()] == [
+        ("meta.json", 2, crc32c_hex(b"{}")), ("state.pt", len(data), crc32c_hex(data)),
+        ("sub/x.bin", 1, crc32c_hex(b"x"))]
+    assert not b.is_published("job/step-5/rank-0", MARKER)
+    if tier.hides_staged:
+        assert list(b.list()) == []
+
+    st.publish(MARKER, b'{"files": 3}')
+    assert b.is_published("job/step-5/rank-0", MARKER)
+    assert [o.key for o in b.list("job/")] == [f"job/step-5/rank-0/{n}" for n in (MARKER, "meta.json", "state.pt",
+                                                                                  "sub/x.bin")]
+    with b.open_read("job/step-5/rank-0/state.pt") as f:
+        assert f.read() == data
+    assert not d.exists()  # renamed into place, or uploaded and its spool removed
+    with pytest.raises(AlreadyPublished):
+        st.local_dir()
+
+
+def test_abort_discards_files_written_into_local_dir(tier: Tier) -> None:
+    b = tier.backend
+    st = b.stage("job/step-6")
+    d = st.local_dir()
+    (d / "state.pt").write_bytes(b"half a checkpoint")
+    st.abort()
+    assert not d.exists() and list(b.list()) == []
+    again = b.stage("job/step-6")
+    (again.local_dir() / "state.pt").write_bytes(b"whole")
+    again.publish(MARKER, b"{}")
+    assert [o.key for o in b.list()] == [f"job/step-6/{MARKER}", "job/step-6/state.pt"]
+
+
+def test_local_folder_hands_out_a_published_folders_files(tier: Tier) -> None:
+    b = tier.backend
+    data = blob(6 * MiB, seed=22)
+    st = b.stage("job/step-7/rank-0")
+    st.put_stream("state.pt", io.BytesIO(data))
+    st.put_stream("sub/meta", io.BytesIO(b"m"))
+    st.publish(MARKER, b"{}")
+    with b.local_folder("job/step-7/rank-0", ["state.pt", "sub/meta"]) as d:
+        assert (d / "state.pt").read_bytes() == data and (d / "sub" / "meta").read_bytes() == b"m"
+    if tier.kind == "local":
+        assert d == b.root / "job/step-7/rank-0"  # in place: no copy
+    else:
+        assert not d.exists()  # the download is removed on exit
+
+
+def test_cleanup_with_select_leaves_other_writers_leftovers(tier: Tier) -> None:
+    b = tier.backend
+    for rank in (0, 1):  # two ranks' saves, both interrupted
+        st = b.stage(f"job/step-8/rank-{rank}")
+        st.put_stream("half", io.BytesIO(b"half"))
+    removed = b.cleanup("job/", older_than_s=0, marker_name=MARKER, select=lambda key: key.startswith(
+        "job/step-8/rank-1"))
+    assert removed and all("rank-1" in k for k in removed)
+    removed = b.cleanup("job/", older_than_s=0, marker_name=MARKER)
+    assert removed and all("rank-0" in k for k in removed)
+    assert list(b.list()) == []
+
+
 # ---- the local tier only -------------------------------------------------------------------------
 
 
@@ -464,6 +536,49 @@ def test_local_crc32c_is_unknown_without_the_xattr_and_then_not_verified(tmp_pat
 
 
 # ---- the S3 tier only ------------------------------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_an_s3_tier_opened_from_its_spec_signs_for_its_region(moto: MotoServer, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    proxy = RegionCheckingProxy(moto.port, "eu-west-2").start()
+    try:
+        spec = S3Spec(endpoint=proxy.endpoint, bucket=moto.new_bucket("eu-west-2"), region="eu-west-2",
+                      part_size=PART, state_dir=tmp_path / "uploads", max_attempts=1)
+        b = open_backend(TierSpec("s3", "s3", spec))
+        data = blob(11 * MiB, seed=23)
+        st = b.stage("f")
+        (st.local_dir() / "state.pt").write_bytes(data)  # a multipart upload at publish
+        st.publish(MARKER, b"{}")
+        with b.local_folder("f", ["state.pt"]) as d:
+            assert (d / "state.pt").read_bytes() == data
+        assert [o.key for o in b.list()] == [f"f/{MARKER}", "f/state.pt"] and proxy.refused == []
+
+        elsewhere = open_backend(TierSpec("s3", "s3", replace(spec, region="us-east-1")))
+        with pytest.raises(StorageError, match="AuthorizationHeaderMalformed"):
+            elsewhere.get_file("f/state.pt", tmp_path / "elsewhere")
+        assert proxy.refused and not (tmp_path / "elsewhere").exists()
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.s3
+def test_s3_local_folder_verifies_every_download(moto: MotoServer, tmp_path: Path) -> None:
+    b = s3_backend(moto, tmp_path)
+    st = b.stage("f")
+    st.put_stream("good", io.BytesIO(b"good bytes"))
+    st.put_stream("bad", io.BytesIO(b"bad bytes"))
+    st.publish(MARKER, b"{}")
+    raw = moto.client()
+    obj = raw.get_object(Bucket=b.bucket, Key="tier/f/bad")
+    raw.put_object(Bucket=b.bucket, Key="tier/f/bad", Body=b"BAD bytes", Metadata=obj["Metadata"])
+    with pytest.raises(ChecksumMismatch, match="f/bad"), b.local_folder("f", ["good", "bad"]):
+        pass
+    with pytest.raises(ObjectNotFound), b.local_folder("f", ["missing"]):
+        pass
+    assert [p.name for p in (tmp_path / "uploads").iterdir() if ".ftd-restore-" in p.name] == []
 
 
 def calls(backend: S3Backend, op: str) -> list[dict[str, Any]]:

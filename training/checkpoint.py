@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -43,14 +42,18 @@ from typing import Any
 
 import torch
 
-from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, check_job, check_step, shard_prefix
-from ftd.storage_backends.base import (
-    StorageBackend,
-    StorageError,
-    StorageFull,
-    crc32c_file,
+from ftd.checkpoints.catalog import CheckpointRecord, CopyRef, ShardRecord, from_info
+from ftd.checkpoints.layout import (
+    MANIFEST,
+    FileEntry,
+    ShardManifest,
+    check_job,
+    check_step,
+    parse_shard_key,
+    shard_prefix,
 )
-from ftd.storage_backends.local import LocalBackend
+from ftd.storage_backends.base import StorageBackend, StorageError, StorageFull, crc32c_file
+from ftd.storage_backends.tiers import Tier, open_tiers, tiers_from_proto
 from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
@@ -80,13 +83,6 @@ class SaveResult:
     persist_s: float = 0.0  # background: write + checksum + publish + commit
     bytes: int = 0
     valid: bool = False  # the checkpoint was valid (all ranks in) when this rank committed
-
-
-@dataclass(frozen=True)
-class TierHandle:
-    name: str
-    backend: StorageBackend
-    location: str
 
 
 def _env_int(name: str, default: int) -> int:
@@ -121,7 +117,7 @@ class Checkpointer:
         tiers = self.agent.tiers()
         self.node_id = tiers.node_id
         self.epoch = epoch if epoch is not None else _env_int("FTD_EPOCH", self.agent.info().assignment.epoch)
-        self.tiers = self._open_tiers(tiers)
+        self.tiers: list[Tier] = open_tiers(tiers_from_proto(tiers))  # the agent's own specs, fastest first
         self.ssd = self.tiers[0]
         self.last_error = ""
         self.results: list[SaveResult] = []
@@ -140,32 +136,21 @@ class Checkpointer:
 
     # ---- tiers ---------------------------------------------------------------------------------
 
-    def _open_tiers(self, tiers: Any) -> list[TierHandle]:
-        out = [TierHandle("ssd", LocalBackend(Path(tiers.ssd_dir)), tiers.node_id)]
-        if tiers.hdd_dir:
-            out.append(TierHandle("hdd", LocalBackend(Path(tiers.hdd_dir)),
-                                  "shared" if tiers.hdd_shared else tiers.node_id))
-        if tiers.s3_endpoint:
-            from ftd.storage_backends.s3 import S3Backend
-
-            out.append(TierHandle("s3", S3Backend(tiers.s3_bucket, tiers.s3_prefix, endpoint_url=tiers.s3_endpoint),
-                                  "s3"))
-        return out
-
     def _cleanup_leftovers(self) -> None:
         """A save interrupted by a crash leaves an unpublished staging folder of this rank; nobody
         else writes this rank's shards on this node, so they can all go now (other local ranks'
         folders are left alone: they may be saving)."""
         backend = self.ssd.backend
-        assert isinstance(backend, LocalBackend)
-        job_dir = backend.root / self.job
-        removed: list[str] = []
+
+        def mine(key: str) -> bool:
+            ident = parse_shard_key(key)
+            return ident is not None and ident[2] == self.rank
+
         try:
-            steps = sorted(d.name for d in job_dir.iterdir() if d.name.startswith("step-")) if job_dir.is_dir() else []
-            for step_dir in steps:
-                removed += backend.cleanup(f"{self.job}/{step_dir}/rank-{self.rank:05d}", older_than_s=0.0)
+            removed = backend.cleanup(f"{self.job}/", older_than_s=0.0, marker_name=MANIFEST, select=mine)
         except (StorageError, OSError) as exc:
             log.warning("could not clean leftovers on %s: %s", backend.name, exc)
+            return
         if removed:
             log.info("removed %d leftovers of interrupted saves of rank %d: %s", len(removed), self.rank, removed)
 
@@ -233,7 +218,7 @@ class Checkpointer:
             backend.delete_prefix(prefix, marker_name=MANIFEST)
         staging = backend.stage(prefix)
         try:
-            directory = Path(staging.tmp)  # type: ignore[attr-defined]  # the local tier is written in place
+            directory = staging.local_dir()  # torch writes here; publish makes it durable, whatever the tier
             failpoint("ckpt.before_write")
             try:
                 if self.format == "torch":
@@ -245,14 +230,7 @@ class Checkpointer:
             except (OSError, RuntimeError) as exc:
                 raise _storage_error(backend, prefix, directory, exc) from exc
             failpoint("ckpt.after_write")
-            files = tuple(FileEntry(p.name, p.stat().st_size, crc32c_file(p))
-                          for p in sorted(directory.iterdir()) if p.is_file())
-            for entry in files:  # publish fsyncs the directories; the bytes are ours to sync
-                fd = os.open(directory / entry.name, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            files = tuple(FileEntry(o.key, o.size, _crc(backend, prefix, o.key, o.crc32c)) for o in staging.objects())
             manifest = ShardManifest(self.job, step, self.epoch, self.rank, self.world_size, self.format, files)
             failpoint("ckpt.before_publish")
             staging.publish(MANIFEST, manifest.encode())
@@ -287,52 +265,45 @@ class Checkpointer:
                 return loaded
         raise RestoreError(f"job {self.job} rank {self.rank}: no checkpoint could be restored after {attempts} tries")
 
-    def _load_step(self, info: Any, map_location: Any, template: dict[str, Any] | None,
+    def _load_step(self, info: checkpoint_pb2.CheckpointInfo, map_location: Any, template: dict[str, Any] | None,
                    weights_only: bool, replicated: bool = False) -> tuple[int, Any] | None:
-        want = self.rank % info.world_size if replicated and info.world_size != self.world_size else self.rank
-        shard = next((s for s in info.shards if s.rank == want), None)
+        record = from_info(info)
+        want = self.rank % record.world_size if replicated and record.world_size != self.world_size else self.rank
+        shard = record.shards.get(want)
         if shard is None:
-            raise RestoreError(f"step {info.step} of job {self.job} has no shard for rank {self.rank} "
-                               f"(world size {info.world_size}); was it saved with another world size?")
+            raise RestoreError(f"step {record.step} of job {self.job} has no shard for rank {self.rank} "
+                               f"(world size {record.world_size}); was it saved with another world size?")
         problems = []
         for tier in self._candidates(shard):
             try:
-                return info.step, self._read(tier, info, shard, map_location, template, weights_only)
+                return record.step, self._read(tier, record, shard, map_location, template, weights_only)
             except (StorageError, OSError, RuntimeError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
-                problems.append(f"{tier.name}@{tier.location}: {why}")
-                log.warning("rank %d step %d: copy on %s unusable, trying the next tier: %s", self.rank, info.step,
+                problems.append(f"{CopyRef(tier.name, tier.location)}: {why}")
+                log.warning("rank %d step %d: copy on %s unusable, trying the next tier: %s", self.rank, record.step,
                             tier.name, why)
                 with contextlib.suppress(AgentUnavailable, CatalogRefused):
                     self.agent.record_copy(checkpoint_pb2.RecordCopyRequest(
-                        job=self.job, step=info.step, rank=shard.rank, tier=tier.name, location=tier.location,
+                        job=self.job, step=record.step, rank=shard.rank, tier=tier.name, location=tier.location,
                         present=True, corrupt_reason=why[:400]))
         reason = f"rank {self.rank}: no tier holds a verified copy ({'; '.join(problems) or 'no copy recorded'})"
-        log.error("step %d of job %s is unrecoverable: %s", info.step, self.job, reason)
+        log.error("step %d of job %s is unrecoverable: %s", record.step, self.job, reason)
         with contextlib.suppress(AgentUnavailable, CatalogRefused):
-            self.agent.invalidate(self.job, info.step, reason[:500])
+            self.agent.invalidate(self.job, record.step, reason[:500])
         return None
 
-    def _candidates(self, shard: Any) -> list[TierHandle]:
+    def _candidates(self, shard: ShardRecord) -> list[Tier]:
         """Tiers that hold a copy not known to be corrupt, fastest first."""
-        copies = {(c.tier, c.location) for c in shard.copies}
-        out = []
-        for tier in self.tiers:
-            if (tier.name, tier.location) in copies and f"{tier.name}@{tier.location}" not in shard.bad:
-                out.append(tier)
-        return out
+        return [tier for tier in self.tiers if shard.has_good_copy(CopyRef(tier.name, tier.location))]
 
-    def _read(self, tier: TierHandle, info: Any, shard: Any, map_location: Any, template: dict[str, Any] | None,
-              weights_only: bool) -> Any:
-        prefix = shard_prefix(self.job, info.step, shard.rank)
+    def _read(self, tier: Tier, record: CheckpointRecord, shard: ShardRecord, map_location: Any,
+              template: dict[str, Any] | None, weights_only: bool) -> Any:
+        """Loads one shard copy from ``tier`` after verifying every file against the catalog; the
+        tier hands out local files (in place on a directory tier, downloaded from an object store)."""
+        prefix = shard_prefix(self.job, record.step, shard.rank)
         expected = {f.name: (f.size, f.crc32c) for f in shard.files}
-        if isinstance(tier.backend, LocalBackend):
-            directory = tier.backend.root / prefix
+        with tier.backend.local_folder(prefix, expected) as directory:
             return self._verify_and_load(directory, expected, map_location, template, weights_only)
-        with tempfile.TemporaryDirectory(prefix=".ftd-restore-", dir=self.ssd.backend.root) as tmp:  # type: ignore[attr-defined]
-            for name in expected:
-                tier.backend.get_file(f"{prefix}/{name}", Path(tmp) / name)
-            return self._verify_and_load(Path(tmp), expected, map_location, template, weights_only)
 
     def _verify_and_load(self, directory: Path, expected: dict[str, tuple[int, str]], map_location: Any,
                          template: dict[str, Any] | None, weights_only: bool) -> Any:
@@ -394,6 +365,13 @@ def _manifest_proto(m: ShardManifest) -> checkpoint_pb2.ShardManifest:
         job=m.job, step=m.step, epoch=m.epoch, rank=m.rank, world_size=m.world_size, format=m.format,
         files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in m.files],
         created_unix_s=m.created_unix_s)
+
+
+def _crc(backend: StorageBackend, prefix: str, name: str, crc32c: str | None) -> str:
+    """A staged file's CRC32C, which :meth:`Staging.objects` always knows."""
+    if crc32c is None:
+        raise StorageError(backend.name, f"{prefix}/{name}", "the staging reported no CRC32C")
+    return crc32c
 
 
 def _storage_error(backend: StorageBackend, prefix: str, directory: Path, exc: BaseException) -> StorageError:

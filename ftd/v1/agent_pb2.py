@@ -26,7 +26,7 @@ from ftd.v1 import checkpoint_pb2 as ftd_dot_v1_dot_checkpoint__pb2
 from ftd.v1 import cluster_pb2 as ftd_dot_v1_dot_cluster__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66td/v1/agent.proto\x12\x06\x66td.v1\x1a\x17\x66td/v1/checkpoint.proto\x1a\x14\x66td/v1/cluster.proto\"J\n\x11VerifyCopyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\"O\n\x12VerifyCopyResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x11\n\x0fGetTiersRequest\"\x89\x01\n\x05Tiers\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07ssd_dir\x18\x02 \x01(\t\x12\x0f\n\x07hdd_dir\x18\x03 \x01(\t\x12\x12\n\nhdd_shared\x18\x04 \x01(\x08\x12\x13\n\x0bs3_endpoint\x18\x05 \x01(\t\x12\x11\n\ts3_bucket\x18\x06 \x01(\t\x12\x11\n\ts3_prefix\x18\x07 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xf3\x01\n\tAgentInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12&\n\nassignment\x18\x04 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x1b\n\x13\x63oordinator_address\x18\x06 \x01(\t\x12\x17\n\x0fsupervised_pids\x18\x07 \x03(\x03\x12\"\n\x08progress\x18\x08 \x01(\x0b\x32\x10.ftd.v1.Progress\x12%\n\nmigrations\x18\t \x03(\x0b\x32\x11.ftd.v1.Migration\"k\n\tMigration\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x12\n\ndone_bytes\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\"\xaf\x01\n\x15ReportProgressRequest\x12\"\n\x08progress\x18\x01 \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x18\n\x10\x63heckpoint_error\x18\x03 \x01(\t\x12\x1d\n\x15\x63heckpoint_error_kind\x18\x04 \x01(\t\x12+\n\ncheckpoint\x18\x05 \x01(\x0b\x32\x17.ftd.v1.CheckpointEvent\"c\n\x0f\x43heckpointEvent\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\x12\x11\n\tpersist_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\"@\n\x16ReportProgressResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\"z\n\x0bKillRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.ftd.v1.KillRequest.Mode\x12\x0b\n\x03pid\x18\x03 \x01(\x03\"&\n\x04Mode\x12\x08\n\x04NODE\x10\x00\x12\n\n\x06WORKER\x10\x01\x12\x08\n\x04HANG\x10\x02\"0\n\x0cKillResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x13\n\x0bkilled_pids\x18\x02 \x03(\x03\x32\xe8\x04\n\x05\x41gent\x12\x34\n\x07GetInfo\x12\x16.ftd.v1.GetInfoRequest\x1a\x11.ftd.v1.AgentInfo\x12O\n\x0eReportProgress\x12\x1d.ftd.v1.ReportProgressRequest\x1a\x1e.ftd.v1.ReportProgressResponse\x12\x31\n\x04Kill\x12\x13.ftd.v1.KillRequest\x1a\x14.ftd.v1.KillResponse\x12\x46\n\x0b\x43ommitShard\x12\x1a.ftd.v1.CommitShardRequest\x1a\x1b.ftd.v1.CommitShardResponse\x12\x43\n\nRecordCopy\x12\x19.ftd.v1.RecordCopyRequest\x1a\x1a.ftd.v1.RecordCopyResponse\x12S\n\x14InvalidateCheckpoint\x12#.ftd.v1.InvalidateCheckpointRequest\x1a\x16.ftd.v1.CheckpointInfo\x12J\n\x10GetRestoreTarget\x12\x1f.ftd.v1.GetRestoreTargetRequest\x1a\x15.ftd.v1.RestoreTarget\x12\x32\n\x08GetTiers\x12\x17.ftd.v1.GetTiersRequest\x1a\r.ftd.v1.Tiers\x12\x43\n\nVerifyCopy\x12\x19.ftd.v1.VerifyCopyRequest\x1a\x1a.ftd.v1.VerifyCopyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x66td/v1/agent.proto\x12\x06\x66td.v1\x1a\x17\x66td/v1/checkpoint.proto\x1a\x14\x66td/v1/cluster.proto\"J\n\x11VerifyCopyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\"O\n\x12VerifyCopyResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x11\n\x0fGetTiersRequest\"\x80\x01\n\x05Tiers\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1f\n\x05tiers\x18\x08 \x03(\x0b\x32\x10.ftd.v1.TierSpecJ\x04\x08\x02\x10\x08R\x07ssd_dirR\x07hdd_dirR\nhdd_sharedR\x0bs3_endpointR\ts3_bucketR\ts3_prefix\"w\n\x08TierSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\x12\"\n\x05local\x18\x03 \x01(\x0b\x32\x11.ftd.v1.LocalTierH\x00\x12\x1c\n\x02s3\x18\x04 \x01(\x0b\x32\x0e.ftd.v1.S3TierH\x00\x42\t\n\x07storage\"\x19\n\tLocalTier\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xa2\x02\n\x06S3Tier\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\t\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x0e\n\x06region\x18\x04 \x01(\t\x12\x19\n\x11\x63onnect_timeout_s\x18\x05 \x01(\x01\x12\x16\n\x0eread_timeout_s\x18\x06 \x01(\x01\x12\x14\n\x0cmax_attempts\x18\x07 \x01(\r\x12\x11\n\tstate_dir\x18\x08 \x01(\t\x12\x11\n\tpart_size\x18\t \x01(\x04\x12\x13\n\x0b\x63oncurrency\x18\n \x01(\r\x12\x11\n\tbackoff_s\x18\x0b \x01(\x01\x12\x15\n\rmax_backoff_s\x18\x0c \x01(\x01\x12\x15\n\rpart_checksum\x18\r \x01(\t\x12\x11\n\tspool_dir\x18\x0e \x01(\t\"\x10\n\x0eGetInfoRequest\"\xf3\x01\n\tAgentInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12&\n\nassignment\x18\x04 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x1b\n\x13\x63oordinator_address\x18\x06 \x01(\t\x12\x17\n\x0fsupervised_pids\x18\x07 \x03(\x03\x12\"\n\x08progress\x18\x08 \x01(\x0b\x32\x10.ftd.v1.Progress\x12%\n\nmigrations\x18\t \x03(\x0b\x32\x11.ftd.v1.Migration\"k\n\tMigration\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x12\n\ndone_bytes\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\"\xaf\x01\n\x15ReportProgressRequest\x12\"\n\x08progress\x18\x01 \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x18\n\x10\x63heckpoint_error\x18\x03 \x01(\t\x12\x1d\n\x15\x63heckpoint_error_kind\x18\x04 \x01(\t\x12+\n\ncheckpoint\x18\x05 \x01(\x0b\x32\x17.ftd.v1.CheckpointEvent\"c\n\x0f\x43heckpointEvent\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x11\n\tblocked_s\x18\x03 \x01(\x01\x12\x11\n\tpersist_s\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\"@\n\x16ReportProgressResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\"z\n\x0bKillRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12&\n\x04mode\x18\x02 \x01(\x0e\x32\x18.ftd.v1.KillRequest.Mode\x12\x0b\n\x03pid\x18\x03 \x01(\x03\"&\n\x04Mode\x12\x08\n\x04NODE\x10\x00\x12\n\n\x06WORKER\x10\x01\x12\x08\n\x04HANG\x10\x02\"0\n\x0cKillResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x13\n\x0bkilled_pids\x18\x02 \x03(\x03\x32\xe8\x04\n\x05\x41gent\x12\x34\n\x07GetInfo\x12\x16.ftd.v1.GetInfoRequest\x1a\x11.ftd.v1.AgentInfo\x12O\n\x0eReportProgress\x12\x1d.ftd.v1.ReportProgressRequest\x1a\x1e.ftd.v1.ReportProgressResponse\x12\x31\n\x04Kill\x12\x13.ftd.v1.KillRequest\x1a\x14.ftd.v1.KillResponse\x12\x46\n\x0b\x43ommitShard\x12\x1a.ftd.v1.CommitShardRequest\x1a\x1b.ftd.v1.CommitShardResponse\x12\x43\n\nRecordCopy\x12\x19.ftd.v1.RecordCopyRequest\x1a\x1a.ftd.v1.RecordCopyResponse\x12S\n\x14InvalidateCheckpoint\x12#.ftd.v1.InvalidateCheckpointRequest\x1a\x16.ftd.v1.CheckpointInfo\x12J\n\x10GetRestoreTarget\x12\x1f.ftd.v1.GetRestoreTargetRequest\x1a\x15.ftd.v1.RestoreTarget\x12\x32\n\x08GetTiers\x12\x17.ftd.v1.GetTiersRequest\x1a\r.ftd.v1.Tiers\x12\x43\n\nVerifyCopy\x12\x19.ftd.v1.VerifyCopyRequest\x1a\x1a.ftd.v1.VerifyCopyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTIERSREQUEST']._serialized_start=234
   _globals['_GETTIERSREQUEST']._serialized_end=251
   _globals['_TIERS']._serialized_start=254
-  _globals['_TIERS']._serialized_end=391
-  _globals['_GETINFOREQUEST']._serialized_start=393
-  _globals['_GETINFOREQUEST']._serialized_end=409
-  _globals['_AGENTINFO']._serialized_start=412
-  _globals['_AGENTINFO']._serialized_end=655
-  _globals['_MIGRATION']._serialized_start=657
-  _globals['_MIGRATION']._serialized_end=764
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=767
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=942
-  _globals['_CHECKPOINTEVENT']._serialized_start=944
-  _globals['_CHECKPOINTEVENT']._serialized_end=1043
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1045
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1109
-  _globals['_KILLREQUEST']._serialized_start=1111
-  _globals['_KILLREQUEST']._serialized_end=1233
-  _globals['_KILLREQUEST_MODE']._serialized_start=1195
-  _globals['_KILLREQUEST_MODE']._serialized_end=1233
-  _globals['_KILLRESPONSE']._serialized_start=1235
-  _globals['_KILLRESPONSE']._serialized_end=1283
-  _globals['_AGENT']._serialized_start=1286
-  _globals['_AGENT']._serialized_end=1902
+  _globals['_TIERS']._serialized_end=382
+  _globals['_TIERSPEC']._serialized_start=384
+  _globals['_TIERSPEC']._serialized_end=503
+  _globals['_LOCALTIER']._serialized_start=505
+  _globals['_LOCALTIER']._serialized_end=530
+  _globals['_S3TIER']._serialized_start=533
+  _globals['_S3TIER']._serialized_end=823
+  _globals['_GETINFOREQUEST']._serialized_start=825
+  _globals['_GETINFOREQUEST']._serialized_end=841
+  _globals['_AGENTINFO']._serialized_start=844
+  _globals['_AGENTINFO']._serialized_end=1087
+  _globals['_MIGRATION']._serialized_start=1089
+  _globals['_MIGRATION']._serialized_end=1196
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1199
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=1374
+  _globals['_CHECKPOINTEVENT']._serialized_start=1376
+  _globals['_CHECKPOINTEVENT']._serialized_end=1475
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1477
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1541
+  _globals['_KILLREQUEST']._serialized_start=1543
+  _globals['_KILLREQUEST']._serialized_end=1665
+  _globals['_KILLREQUEST_MODE']._serialized_start=1627
+  _globals['_KILLREQUEST_MODE']._serialized_end=1665
+  _globals['_KILLRESPONSE']._serialized_start=1667
+  _globals['_KILLRESPONSE']._serialized_end=1715
+  _globals['_AGENT']._serialized_start=1718
+  _globals['_AGENT']._serialized_end=2334
 # @@protoc_insertion_point(module_scope)

@@ -96,43 +96,161 @@ Global___GetTiersRequest: _TypeAlias = GetTiersRequest  # noqa: Y015
 
 @_typing.final
 class Tiers(_message.Message):
-    """Where this node's tiers are, so the training process can read and write them directly."""
+    """This node's tiers, fastest first, with every setting needed to open them, so that the training
+    process opens exactly the tiers the agent opened (ftd.storage_backends.tiers) and reads and writes
+    them directly.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
-    SSD_DIR_FIELD_NUMBER: _builtins.int
-    HDD_DIR_FIELD_NUMBER: _builtins.int
-    HDD_SHARED_FIELD_NUMBER: _builtins.int
-    S3_ENDPOINT_FIELD_NUMBER: _builtins.int
-    S3_BUCKET_FIELD_NUMBER: _builtins.int
-    S3_PREFIX_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
-    ssd_dir: _builtins.str
-    hdd_dir: _builtins.str
-    hdd_shared: _builtins.bool
-    s3_endpoint: _builtins.str
-    """empty: no cold tier"""
-    s3_bucket: _builtins.str
-    s3_prefix: _builtins.str
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSpec]:
+        """the first one is the node's hot (SSD) tier"""
+
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
-        ssd_dir: _builtins.str = ...,
-        hdd_dir: _builtins.str = ...,
-        hdd_shared: _builtins.bool = ...,
-        s3_endpoint: _builtins.str = ...,
-        s3_bucket: _builtins.str = ...,
-        s3_prefix: _builtins.str = ...,
+        tiers: _abc.Iterable[Global___TierSpec] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hdd_dir", b"hdd_dir", "hdd_shared", b"hdd_shared", "node_id", b"node_id", "s3_bucket", b"s3_bucket", "s3_endpoint", b"s3_endpoint", "s3_prefix", b"s3_prefix", "ssd_dir", b"ssd_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Tiers: _TypeAlias = Tiers  # noqa: Y015
+
+@_typing.final
+class TierSpec(_message.Message):
+    """One storage tier: its name, where the catalog records its copies, and how to open its backend."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    LOCAL_FIELD_NUMBER: _builtins.int
+    S3_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"ssd", "hdd", "s3" """
+    location: _builtins.str
+    """a node id for node-local tiers, "shared" or "s3" for shared ones"""
+    @_builtins.property
+    def local(self) -> Global___LocalTier: ...
+    @_builtins.property
+    def s3(self) -> Global___S3Tier: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        location: _builtins.str = ...,
+        local: Global___LocalTier | None = ...,
+        s3: Global___S3Tier | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["local", b"local", "s3", b"s3", "storage", b"storage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local", b"local", "location", b"location", "name", b"name", "s3", b"s3", "storage", b"storage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_storage: _TypeAlias = _typing.Literal["local", "s3"]  # noqa: Y015
+    _WhichOneofArgType_storage: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_storage) -> _WhichOneofReturnType_storage | None: ...
+
+Global___TierSpec: _TypeAlias = TierSpec  # noqa: Y015
+
+@_typing.final
+class LocalTier(_message.Message):
+    """A directory tier (a local disk or a mounted shared filesystem)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocalTier: _TypeAlias = LocalTier  # noqa: Y015
+
+@_typing.final
+class S3Tier(_message.Message):
+    """Every setting of an S3-compatible tier; credentials come from each process's environment and never
+    travel over the wire.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    BUCKET_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    CONNECT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    READ_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    STATE_DIR_FIELD_NUMBER: _builtins.int
+    PART_SIZE_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    BACKOFF_S_FIELD_NUMBER: _builtins.int
+    MAX_BACKOFF_S_FIELD_NUMBER: _builtins.int
+    PART_CHECKSUM_FIELD_NUMBER: _builtins.int
+    SPOOL_DIR_FIELD_NUMBER: _builtins.int
+    endpoint: _builtins.str
+    """URL; empty: the provider's default endpoint for the region"""
+    bucket: _builtins.str
+    prefix: _builtins.str
+    """key prefix inside the bucket"""
+    region: _builtins.str
+    connect_timeout_s: _builtins.float
+    read_timeout_s: _builtins.float
+    max_attempts: _builtins.int
+    """tries of each idempotent request"""
+    state_dir: _builtins.str
+    """upload journals; empty: beside each source file"""
+    part_size: _builtins.int
+    """bytes per multipart part"""
+    concurrency: _builtins.int
+    """parts in flight"""
+    backoff_s: _builtins.float
+    """first retry delay (exponential, full jitter)"""
+    max_backoff_s: _builtins.float
+    part_checksum: _builtins.str
+    """"crc32c", or "md5" for stores without flexible checksums"""
+    spool_dir: _builtins.str
+    """local copies (restores, large streams); empty: state_dir, else system temp"""
+    def __init__(
+        self,
+        *,
+        endpoint: _builtins.str = ...,
+        bucket: _builtins.str = ...,
+        prefix: _builtins.str = ...,
+        region: _builtins.str = ...,
+        connect_timeout_s: _builtins.float = ...,
+        read_timeout_s: _builtins.float = ...,
+        max_attempts: _builtins.int = ...,
+        state_dir: _builtins.str = ...,
+        part_size: _builtins.int = ...,
+        concurrency: _builtins.int = ...,
+        backoff_s: _builtins.float = ...,
+        max_backoff_s: _builtins.float = ...,
+        part_checksum: _builtins.str = ...,
+        spool_dir: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_s", b"backoff_s", "bucket", b"bucket", "concurrency", b"concurrency", "connect_timeout_s", b"connect_timeout_s", "endpoint", b"endpoint", "max_attempts", b"max_attempts", "max_backoff_s", b"max_backoff_s", "part_checksum", b"part_checksum", "part_size", b"part_size", "prefix", b"prefix", "read_timeout_s", b"read_timeout_s", "region", b"region", "spool_dir", b"spool_dir", "state_dir", b"state_dir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___S3Tier: _TypeAlias = S3Tier  # noqa: Y015
 
 @_typing.final
 class GetInfoRequest(_message.Message):

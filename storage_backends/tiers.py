@@ -1,0 +1,195 @@
+"""Tiers are described once and opened in one place.
+
+A :class:`TierSpec` says everything needed to open a tier: its name, where the catalog records its
+copies, and its storage — a directory (:class:`LocalSpec`) or an S3-compatible bucket with every one
+of its settings (:class:`S3Spec`). The agent builds the specs from its settings and hands the very
+same specs to the training process over ``GetTiers`` (:func:`tiers_to_proto`/:func:`tiers_from_proto`),
+so both sides open identical backends with :func:`open_backend`; a setting added here travels to
+both, instead of one side silently falling back to a default (the S3 region once did).
+
+Credentials are not part of a spec: each process takes them from its own environment, as boto3 does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftd.v1 import agent_pb2
+
+from .base import StorageBackend
+
+SHARED_LOCATIONS = ("shared", "s3")  # locations of tiers that every node sees (vs. a node id)
+_MIN_PART = 5 << 20  # S3's smallest multipart part
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """A directory tier: a local disk or a mounted shared filesystem."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class S3Spec:
+    """Every setting of an S3 tier (see :class:`.s3.S3Backend` for what each one does)."""
+
+    endpoint: str  # URL; "" for the provider's default endpoint of ``region``
+    bucket: str
+    prefix: str = ""
+    region: str = "us-east-1"
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 5
+    state_dir: Path | None = None  # upload journals
+    part_size: int = 64 << 20
+    concurrency: int = 4
+    backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+    part_checksum: str = "crc32c"
+    spool_dir: Path | None = None  # local copies: downloads for readers that need paths, large streams
+
+    def __post_init__(self) -> None:
+        checks = {
+            "bucket": bool(self.bucket),
+            "region": bool(self.region),
+            "connect_timeout_s": self.connect_timeout_s > 0,
+            "read_timeout_s": self.read_timeout_s > 0,
+            "max_attempts": self.max_attempts >= 1,
+            "part_size": self.part_size >= _MIN_PART,
+            "concurrency": self.concurrency >= 1,
+            "backoff_s": self.backoff_s >= 0,
+            "max_backoff_s": self.max_backoff_s >= self.backoff_s,
+            "part_checksum": self.part_checksum in ("crc32c", "md5"),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+            raise ValueError(f"invalid S3 tier settings for bucket {self.bucket!r}: {values}")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier: ``name`` ("ssd", "hdd", "s3"), ``location`` (this node's id for a node-local tier,
+    "shared" or "s3" for one every node sees) and its storage."""
+
+    name: str
+    location: str
+    storage: LocalSpec | S3Spec
+
+    @property
+    def shared(self) -> bool:
+        return self.location in SHARED_LOCATIONS
+
+
+@dataclass(frozen=True)
+class Tier:
+    """An opened tier: its spec and the backend made from it by :func:`open_backend`."""
+
+    spec: TierSpec
+    backend: StorageBackend
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def location(self) -> str:
+        return self.spec.location
+
+    @property
+    def shared(self) -> bool:
+        return self.spec.shared
+
+
+def open_backend(spec: TierSpec) -> StorageBackend:
+    """The one place where storage backends are constructed. The S3 backend (and boto3, an optional
+    dependency) is imported only when a spec asks for it."""
+    storage = spec.storage
+    if isinstance(storage, LocalSpec):
+        from .local import LocalBackend
+
+        return LocalBackend(storage.path)
+    from .s3 import S3Backend
+
+    return S3Backend(
+        storage.bucket, storage.prefix, endpoint_url=storage.endpoint or None, region=storage.region,
+        part_size=storage.part_size, concurrency=storage.concurrency, state_dir=storage.state_dir,
+        max_attempts=storage.max_attempts, connect_timeout_s=storage.connect_timeout_s,
+        read_timeout_s=storage.read_timeout_s, backoff_s=storage.backoff_s, max_backoff_s=storage.max_backoff_s,
+        part_checksum=storage.part_checksum, spool_dir=storage.spool_dir,
+    )
+
+
+def open_tier(spec: TierSpec) -> Tier:
+    return Tier(spec, open_backend(spec))
+
+
+def open_tiers(specs: Iterable[TierSpec]) -> list[Tier]:
+    return [open_tier(spec) for spec in specs]
+
+
+# ---- the wire form (agent.proto's Tiers) ---------------------------------------------------------
+
+
+def spec_to_proto(spec: TierSpec) -> agent_pb2.TierSpec:
+    msg = agent_pb2.TierSpec(name=spec.name, location=spec.location)
+    s = spec.storage
+    if isinstance(s, LocalSpec):
+        msg.local.path = str(s.path)
+    else:
+        msg.s3.CopyFrom(agent_pb2.S3Tier(
+            endpoint=s.endpoint, bucket=s.bucket, prefix=s.prefix, region=s.region,
+            connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s, max_attempts=s.max_attempts,
+            state_dir=str(s.state_dir) if s.state_dir is not None else "", part_size=s.part_size,
+            concurrency=s.concurrency, backoff_s=s.backoff_s, max_backoff_s=s.max_backoff_s,
+            part_checksum=s.part_checksum, spool_dir=str(s.spool_dir) if s.spool_dir is not None else ""))
+    return msg
+
+
+def spec_from_proto(msg: agent_pb2.TierSpec) -> TierSpec:
+    """Raises ``ValueError`` for a spec that names no storage or carries out-of-range settings."""
+    which = msg.WhichOneof("storage")
+    storage: LocalSpec | S3Spec
+    if which == "local":
+        if not msg.local.path:
+            raise ValueError(f"tier {msg.name!r}: the directory tier has no path")
+        storage = LocalSpec(Path(msg.local.path))
+    elif which == "s3":
+        s = msg.s3
+        storage = S3Spec(
+            endpoint=s.endpoint, bucket=s.bucket, prefix=s.prefix, region=s.region,
+            connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s, max_attempts=s.max_attempts,
+            state_dir=Path(s.state_dir) if s.state_dir else None, part_size=s.part_size, concurrency=s.concurrency,
+            backoff_s=s.backoff_s, max_backoff_s=s.max_backoff_s, part_checksum=s.part_checksum,
+            spool_dir=Path(s.spool_dir) if s.spool_dir else None)
+    else:
+        raise ValueError(f"tier {msg.name!r} names no storage (an agent older than the training side?)")
+    return TierSpec(msg.name, msg.location, storage)
+
+
+def tiers_to_proto(node_id: str, specs: Iterable[TierSpec]) -> agent_pb2.Tiers:
+    return agent_pb2.Tiers(node_id=node_id, tiers=[spec_to_proto(s) for s in specs])
+
+
+def tiers_from_proto(msg: agent_pb2.Tiers) -> list[TierSpec]:
+    if not msg.tiers:
+        raise ValueError(f"node {msg.node_id!r} reported no tiers (an agent older than the training side?)")
+    return [spec_from_proto(t) for t in msg.tiers]
+
+
+__all__ = [
+    "SHARED_LOCATIONS",
+    "LocalSpec",
+    "S3Spec",
+    "Tier",
+    "TierSpec",
+    "open_backend",
+    "open_tier",
+    "open_tiers",
+    "spec_from_proto",
+    "spec_to_proto",
+    "tiers_from_proto",
+    "tiers_to_proto",
+]
