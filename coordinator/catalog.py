@@ -26,22 +26,6 @@ from .metrics import CoordinatorMetrics
 log = logging.getLogger("ftd.coordinator.catalog")
 
 
-def to_info(record: rules.CheckpointRecord) -> checkpoint_pb2.CheckpointInfo:
-    info = checkpoint_pb2.CheckpointInfo(
-        job=record.job, step=record.step, epoch=record.epoch, world_size=record.world_size, format=record.format,
-        created_unix_s=record.created_unix_s, valid=record.valid, status=record.status(), bytes=record.total_bytes,
-        on_tier={t: record.on_tier(t) for t in rules.TIERS},
-    )
-    for rank in sorted(record.shards):
-        s = record.shards[rank]
-        info.shards.append(checkpoint_pb2.ShardInfo(
-            rank=rank, bytes=s.bytes, checksum=s.checksum,
-            files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in s.files],
-            copies=[checkpoint_pb2.ShardCopy(tier=t, location=loc) for t, loc in sorted(s.copies)],
-            bad=dict(s.bad)))
-    return info
-
-
 def manifest_from_proto(m: checkpoint_pb2.ShardManifest, now: float) -> ShardManifest:
     """Validates an RPC's manifest; :class:`~.errors.InvalidArgument` names the field. ``now`` (unix
     time) stands in for a missing creation time."""
@@ -145,7 +129,7 @@ class CatalogKeeper:
             except rules.CatalogError as exc:
                 raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
             if before is not None and record == before:
-                return checkpoint_pb2.CommitShardResponse(checkpoint=to_info(record), message="already recorded")
+                return checkpoint_pb2.CommitShardResponse(checkpoint=rules.to_info(record), message="already recorded")
             puts = rules.encode(record, [manifest.rank])
             await self._save("checkpoint", puts, (), ("shard_committed", "", f"{manifest.job} step {manifest.step}: "
                                                       f"{what}"), [record])
@@ -154,7 +138,7 @@ class CatalogKeeper:
                 self.publish_gauges()
                 log.info("checkpoint %s step %d is valid (%d shards, %d bytes)", record.job, record.step,
                          record.world_size, record.total_bytes)
-            return checkpoint_pb2.CommitShardResponse(checkpoint=to_info(record), message=what)
+            return checkpoint_pb2.CommitShardResponse(checkpoint=rules.to_info(record), message=what)
 
     async def record_copy(self, request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
         job, step = _check(request.job, request.step)
@@ -168,26 +152,26 @@ class CatalogKeeper:
             copy = (request.tier, request.location)
             if request.corrupt_reason:
                 new = rules.drop_copy(record, request.rank, request.tier, request.location, request.corrupt_reason)
-                what = (f"rank {request.rank} copy on {request.tier}@{request.location} is corrupt: "
+                what = (f"rank {request.rank} copy on {rules.CopyRef(request.tier, request.location)} is corrupt: "
                         f"{request.corrupt_reason}")
             elif request.present:
                 try:
                     new = rules.add_copy(record, request.rank, request.tier, request.location)
                 except rules.CatalogError as exc:
                     raise errors.CatalogConflict(str(exc)) from exc
-                what = f"rank {request.rank} copy recorded on {request.tier}@{request.location}"
+                what = f"rank {request.rank} copy recorded on {rules.CopyRef(request.tier, request.location)}"
             else:
                 new = rules.drop_copy(record, request.rank, request.tier, request.location)
-                what = f"rank {request.rank} copy on {request.tier}@{request.location} deleted"
+                what = f"rank {request.rank} copy on {rules.CopyRef(request.tier, request.location)} deleted"
             if new == record or (not request.present and not request.corrupt_reason and copy not in shard.copies):
-                return checkpoint_pb2.RecordCopyResponse(checkpoint=to_info(record))
+                return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(record))
             if new.orphaned and new.complete:
                 # Retention removed the last copy: the record describes nothing any more.
                 await self._delete([new], f"{job} step {step}: last copy deleted")
-                return checkpoint_pb2.RecordCopyResponse(checkpoint=to_info(new))
+                return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(new))
             await self._save("checkpoint", rules.encode(new, [request.rank]), (),
                              ("copy_recorded", "", f"{job} step {step}: {what}"), [new])
-            return checkpoint_pb2.RecordCopyResponse(checkpoint=to_info(new))
+            return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(new))
 
     async def invalidate(self, request: checkpoint_pb2.InvalidateCheckpointRequest) -> checkpoint_pb2.CheckpointInfo:
         job, step = _check(request.job, request.step)
@@ -196,17 +180,17 @@ class CatalogKeeper:
         async with self._lock:
             record = self._get(job, step)
             if record.invalid_reason:
-                return to_info(record)
+                return rules.to_info(record)
             new = replace(record, invalid_reason=request.reason[:500])
             await self._save("checkpoint", rules.encode(new, []), (),
                              ("checkpoint_invalid", "", f"{job} step {step} invalid: {request.reason[:500]}"), [new])
             log.warning("checkpoint %s step %d marked invalid: %s", job, step, request.reason)
-            return to_info(new)
+            return rules.to_info(new)
 
     def list(self, job: str) -> list[checkpoint_pb2.CheckpointInfo]:
         if job:
             _check(job, 0)
-        return [to_info(r) for (j, _), r in sorted(self._records().items()) if not job or j == job]
+        return [rules.to_info(r) for (j, _), r in sorted(self._records().items()) if not job or j == job]
 
     def restore_target(self, job: str) -> checkpoint_pb2.RestoreTarget:
         _check(job, 0)
@@ -215,7 +199,7 @@ class CatalogKeeper:
         target, why = rules.restore_target(records, view.rollbacks.get(job))
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)
-        return checkpoint_pb2.RestoreTarget(found=True, checkpoint=to_info(target), reason=why)
+        return checkpoint_pb2.RestoreTarget(found=True, checkpoint=rules.to_info(target), reason=why)
 
     async def rollback(self, request: checkpoint_pb2.RollbackRequest) -> checkpoint_pb2.RollbackResponse:
         job, step = _check(request.job, request.step)
@@ -230,5 +214,5 @@ class CatalogKeeper:
                                         f"{list(rb.superseded) or 'none'}", rules.encode_rollback(rb))
             view.rollbacks[job] = rb
             log.warning("job %s rolled back to step %d (removed %s)", job, step, list(rb.superseded))
-            return checkpoint_pb2.RollbackResponse(target=to_info(self._get(job, step)),
+            return checkpoint_pb2.RollbackResponse(target=rules.to_info(self._get(job, step)),
                                                    removed_steps=list(rb.superseded))

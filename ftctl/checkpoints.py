@@ -11,6 +11,7 @@ import grpc
 from rich.console import Console
 
 from ftd import rpc
+from ftd.checkpoints.catalog import CopyRef
 from ftd.coordinator.client import CoordinatorClient
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
@@ -71,11 +72,11 @@ def verify(client: CoordinatorClient, job: str, step: int,
     done = 0
     rows = []
     for shard, copy in copies:
-        label = f"rank {shard.rank} on {copy.tier}@{copy.location}"
+        label = f"rank {shard.rank} on {CopyRef(copy.tier, copy.location)}"
         node = _agent_for(nodes, copy.location)
         row: dict[str, Any] = {"rank": shard.rank, "tier": copy.tier, "location": copy.location}
         if node is None or node.state != cluster_pb2.NODE_STATE_ALIVE:
-            row.update(ok=False, error=f"no alive agent can read {copy.tier}@{copy.location}", checked=False)
+            row.update(ok=False, error=f"no alive agent can read {CopyRef(copy.tier, copy.location)}", checked=False)
         else:
             with rpc.channel(node.agent_address) as ch:
                 try:
