@@ -29,6 +29,11 @@ def state_of(client: CoordinatorClient, node_id: str) -> int:
     return next(n.state for n in client.nodes().nodes if n.node_id == node_id)
 
 
+def formed_status(client: CoordinatorClient) -> coordinator_pb2.ClusterStatus:
+    """The status once both actives hold a rank: admitted in one commit or two, in either order."""
+    return wait_for(lambda: sorted((s := client.status()).world) == ["node-0", "node-1"] and s, 10, "world formed")
+
+
 def test_kill_active_agent_spare_takes_its_rank_and_fenced_node_returns_as_spare(local_cluster: ClusterFile) -> None:
     client = CoordinatorClient(local_cluster.coordinator_endpoints)
     store = EtcdStore(local_cluster.etcd_endpoints, cluster="local")
@@ -80,7 +85,7 @@ def test_world_shrinks_without_spare_and_status_says_so(local_cluster: ClusterFi
     client = CoordinatorClient(local_cluster.coordinator_endpoints)
     try:
         # The actives may have been admitted in one commit or two: compare with the epoch found.
-        formed = wait_for(lambda: list((s := client.status()).world) == ["node-0", "node-1"] and s, 10, "world formed")
+        formed = formed_status(client)
         os.kill(agent_pid(local_cluster, "node-2"), signal.SIGKILL)  # the only spare
         wait_for(lambda: "node-2" in client.status().dead, 10, "spare declared dead")
         assert client.status().epoch == formed.epoch, "a dead spare does not change the world"
@@ -97,7 +102,7 @@ def test_bad_input_gets_precise_grpc_errors(local_cluster: ClusterFile) -> None:
     client = CoordinatorClient(local_cluster.coordinator_endpoints)
     stub = client.stub()
     try:
-        formed = wait_for(lambda: list((s := client.status()).world) == ["node-0", "node-1"] and s, 10, "world formed")
+        formed = formed_status(client)
 
         def heartbeat_error(req: coordinator_pb2.HeartbeatRequest) -> grpc.RpcError:
             with pytest.raises(grpc.RpcError) as err:
@@ -174,8 +179,7 @@ def test_metrics_endpoints(local_cluster: ClusterFile) -> None:
 
     client = CoordinatorClient(local_cluster.coordinator_endpoints)
     try:
-        epoch = wait_for(lambda: list((s := client.status()).world) == ["node-0", "node-1"] and s, 10,
-                         "world formed").epoch
+        epoch = formed_status(client).epoch
     finally:
         client.close()
 
