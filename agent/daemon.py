@@ -20,9 +20,11 @@ from ftd.logs import set_identity
 from ftd.storage_backends.tiers import open_tiers, tiers_to_proto
 from ftd.v1 import agent_pb2, cluster_pb2
 
-from . import health, service
+from . import health, health_checks, service
+from .handover import Handover
 from .heartbeat import Identity, Session
 from .metrics import AgentMetrics
+from .preemption import PreemptionWatcher
 from .settings import AgentSettings
 from .supervisor import Supervisor
 from .tiering import Tiering
@@ -54,6 +56,11 @@ class AgentDaemon:
         self.training: TrainingSupervisor | None = None
         self._saves_in_flight: dict[tuple[int, int], float] = {}
         self._loop_at = time.monotonic()
+        self.metrics.configure_mfu(settings.peak_flops_per_gpu, settings.mfu_floor)
+        self.handover = Handover(self.node_id, lambda req: self.client.call("Drain", req, idempotent=True),
+                                 self.metrics)
+        self.preemption: PreemptionWatcher | None = None
+        self.xids = health_checks.XidMonitor(self.gpu.nvml) if self.gpu.available else None
 
     def _catalog_call(self, method: str, request: Any) -> Any:
         return self.client.call(method, request, idempotent=True)
@@ -95,6 +102,8 @@ class AgentDaemon:
             self.metrics.training_loss.set(progress.loss)
         if progress.HasField("grad_norm"):
             self.metrics.grad_norm.set(progress.grad_norm)
+        if progress.HasField("flops"):
+            self.metrics.observe_flops(progress.step, progress.reported_unix_s, progress.flops)
         if self.training is not None:
             self.training.on_progress(progress.step)
 
@@ -109,6 +118,7 @@ class AgentDaemon:
             if event.phase == "done":
                 self.metrics.persist.observe(event.persist_s)
                 self.metrics.bytes_written.labels("ssd").inc(event.bytes)
+                self.metrics.observe_save_done(event.step, event.bytes)
 
     def progress(self) -> cluster_pb2.Progress:
         with self._progress_lock:
@@ -121,7 +131,23 @@ class AgentDaemon:
         if sample.HasField("gpu"):
             for i, util in enumerate(sample.gpu.utilization_pct):
                 self.metrics.gpu_utilization.labels(str(i)).set(util / 100.0)
+        sample.verdict.CopyFrom(self.check_health())
         return sample
+
+    def check_health(self) -> cluster_pb2.HealthVerdict:
+        """Measures and judges this node now; a node told it goes away (a preemption notice) is never
+        healthy: it must not be promoted while going."""
+        gpus = (health_checks.measure_gpus(self.gpu.nvml, self.xids) if self.gpu.available
+                else health_checks.GpuMeasurement(unavailable_reason="NVML not available"))
+        measured = health_checks.Measurements(health_checks.measure_disks(self.settings.tiers), gpus, None,
+                                              time.time())
+        report = health_checks.evaluate(measured, self.settings.health_thresholds)
+        verdict = health.verdict_proto(report)
+        going = self.handover.going_away()
+        if going:
+            verdict.healthy, verdict.reason = False, going
+        self.metrics.healthy.set(1 if verdict.healthy else 0)
+        return verdict
 
     def info(self) -> agent_pb2.AgentInfo:
         s = self.session
@@ -193,7 +219,7 @@ class AgentDaemon:
             s.heartbeat_interval_s, s.coordinator_timeout_s, s.reconnect_max_backoff_s,
             health=self.health, progress=self.progress, on_assignment=self._on_assignment,
             on_heartbeat=self.metrics.heartbeats.inc, on_reconnect=self.metrics.reconnects.inc,
-            on_connected=self._on_connected,
+            on_connected=self._on_connected, on_response=self.handover.on_response,
         )
         set_identity(node=self.node_id)
         if s.train_cmd:
@@ -203,6 +229,9 @@ class AgentDaemon:
                 coordinators=s.coordinators, node_id=self.node_id, host=s.effective_host, socket=sock,
                 log_path=s.workdir / "train.log", hang_timeout_s=s.hang_timeout_s,
                 hang_startup_grace_s=s.hang_startup_grace_s), self.supervisor, self._report_hang, self._job_closed)
+        if s.preemption.sources:
+            self.preemption = PreemptionWatcher.from_config(s.preemption, self.handover.on_notice)
+            self.preemption.start()
         threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()
         threading.Thread(target=self.tiering.run, args=(self._stop,), name="ftd-tiering", daemon=True).start()
         log.info("agent %s serving on %s and unix:%s (metrics %s); coordinators %s", self.node_id, self.address,
@@ -247,5 +276,7 @@ class AgentDaemon:
         if self.training is not None:
             self.training.stop("the agent is stopping")
         self.session.stop()
+        if self.preemption is not None:
+            self.preemption.stop(timeout_s=2.0)
         self.server.stop(grace=1.0).wait(2.0)
         self.client.close()

@@ -17,6 +17,8 @@ from typing import Any
 
 from ftd.v1 import cluster_pb2
 
+from .health_checks import HealthReport
+
 log = logging.getLogger("ftd.agent.health")
 
 
@@ -36,6 +38,11 @@ class GpuProbe:
     @property
     def available(self) -> bool:
         return self._nvml is not None
+
+    @property
+    def nvml(self) -> Any:
+        """The initialised NVML module, or ``None`` (for the health checks' GPU measurements)."""
+        return self._nvml
 
     def sample(self) -> cluster_pb2.GpuHealth | None:
         if self._nvml is None:
@@ -65,6 +72,19 @@ def disk_health(tiers: Mapping[str, Path]) -> list[cluster_pb2.DiskHealth]:
         out.append(cluster_pb2.DiskHealth(tier=tier, path=str(path), free_bytes=usage.free,
                                           total_bytes=usage.total))
     return out
+
+
+def verdict_proto(report: HealthReport) -> cluster_pb2.HealthVerdict:
+    """The health checks' report as it travels in heartbeats and ``CheckHealth`` answers."""
+    verdict = cluster_pb2.HealthVerdict(healthy=report.healthy, reason="" if report.healthy else report.reason,
+                                        checked_unix_s=report.checked_unix_s)
+    for check in report.checks:
+        entry = verdict.checks.add(name=check.name, ok=check.ok, reason=check.reason)
+        if check.value is not None:
+            entry.value = check.value
+        if check.threshold is not None:
+            entry.threshold = check.threshold
+    return verdict
 
 
 def sample(tiers: Mapping[str, Path], gpu: GpuProbe) -> cluster_pb2.Health:

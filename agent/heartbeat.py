@@ -53,6 +53,7 @@ class Session:
         on_heartbeat: Callable[[], None] = lambda: None,
         on_reconnect: Callable[[], None] = lambda: None,
         on_connected: Callable[[bool], None] = lambda up: None,
+        on_response: Callable[[coordinator_pb2.HeartbeatResponse], None] = lambda r: None,
     ) -> None:
         self.client = client
         self.identity = identity
@@ -65,6 +66,7 @@ class Session:
         self.on_heartbeat = on_heartbeat
         self.on_reconnect = on_reconnect
         self.on_connected = on_connected
+        self.on_response = on_response  # every answer (pending hand-overs ride on them)
         self.incarnation = uuid.uuid4().hex
         self.assignment = cluster_pb2.Assignment(rank=-1)
         self.connected = False
@@ -172,6 +174,7 @@ class Session:
                     self.leader_address = self.client.current
                     log.info("heartbeating to leader %s at %s", response.leader_id, self.client.current)
                 self._apply(response.assignment)
+                self.on_response(response)
                 if response.assignment.fenced:
                     log.warning("this node was fenced out of epoch %d; re-registering as a spare",
                                 response.assignment.epoch)

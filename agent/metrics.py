@@ -72,6 +72,12 @@ class AgentMetrics:
         self.training_mfu_floor = Gauge("ftd_agent_training_mfu_floor_ratio",
                                         "The configured MFU floor (FtdMfuLow fires below it); 0: no floor",
                                         registry=r)
+        self.preemption_notices = Counter("ftd_agent_preemption_notices_total",
+                                          "Preemption notices seen (a final one starts a planned hand-over)",
+                                          ["source", "kind"], registry=r)
+        self.handover_pending = Gauge("ftd_agent_handover_pending",
+                                      "1 while a planned hand-over of a node of the job is pending", registry=r)
+        self.healthy = Gauge("ftd_agent_healthy", "1 when the node passes its health checks, else 0", registry=r)
         self._mfu = MfuMeter()
         self._save_totals: dict[int, int] = {}
         self._save_lock = threading.Lock()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ftd.rpc import rpc_code, rpc_details
-from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
+from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 from .training import signal_pids
 
@@ -46,13 +46,22 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             self.daemon.metrics.save_failures.labels(kind[:40]).inc()
             log.error("checkpoint save failed on rank %d (%s): %s", request.rank, kind, request.checkpoint_error[:500])
         if not request.HasField("progress") and (request.checkpoint_error or request.HasField("checkpoint")):
-            return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment)
+            return self._progress_answer()
         if not request.HasField("progress"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "progress: is required")
         if request.progress.step < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"progress.step: must be >= 0, got {request.progress.step}")
         self.daemon.report_progress(request.progress)
-        return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment)
+        return self._progress_answer()
+
+    def _progress_answer(self) -> agent_pb2.ReportProgressResponse:
+        pending = self.daemon.handover.pending
+        return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment,
+                                                handover=bool(pending.nodes), handover_reason=pending.reason)
+
+    def CheckHealth(self, request: agent_pb2.CheckHealthRequest,
+                    context: grpc.ServicerContext) -> cluster_pb2.HealthVerdict:
+        return self.daemon.check_health()
 
     def Kill(self, request: agent_pb2.KillRequest, context: grpc.ServicerContext) -> agent_pb2.KillResponse:
         expected = self.daemon.settings.drill_token

@@ -11,6 +11,9 @@ from ftd.rpc import parse_endpoints
 from ftd.settings import require, setting
 from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec
 
+from .health_checks import HealthThresholds
+from .preemption import PreemptionConfig
+
 ENV_PREFIX = "FTD_AGENT_"
 
 
@@ -56,6 +59,18 @@ class AgentSettings:
     coordinator_timeout_s: float = setting(3.0, "no answer from the leader for this long: reconnect", "s")
     reconnect_max_backoff_s: float = setting(1.0, "upper bound of the reconnect backoff", "s")
     health_interval_s: float = setting(5.0, "period of disk/GPU health sampling", "s")
+    health_min_free: dict[str, str] = setting(
+        {}, "health check: minimum free space per tier TIER=SIZE[,...], e.g. ssd=10GiB (unlisted: not checked)")
+    health_expected_gpus: int = setting(0, "health check: GPUs the node must have (0: not checked)", "GPUs")
+    health_max_gpu_temp_c: float = setting(85.0, "health check: hottest GPU allowed (0: not checked)", "°C")
+    preempt_sources: tuple[str, ...] = setting(
+        ("file", "signal"), "preemption notice sources: auto (detect the cloud), aws, gce, azure, file, signal; "
+                            "none: off. On a cloud VM use auto")
+    preempt_file: Path | None = setting(None, "the 'file' source's trigger file (default: WORKDIR/preemption-notice)")
+    preempt_poll_interval_s: float = setting(2.0, "period of polling the notice sources (AWS advises 5 s)", "s")
+    peak_flops_per_gpu: float = setting(0.0, "peak FLOP/s of one GPU in the training's precision, for MFU "
+                                             "(0: MFU not computed)", "FLOP/s")
+    mfu_floor: float = setting(0.0, "MFU below which FtdMfuLow fires (0: no alert)", "ratio")
     drill_token: str = setting("", "secret that authorises Kill (drills); empty disables drills on this node")
     metrics_listen: str = setting("127.0.0.1:9402", "Prometheus /metrics address HOST:PORT (empty: disabled)")
     ready_file: Path | None = setting(None, "write {pid, node_id, address, socket, metrics} JSON here once serving")
@@ -93,6 +108,18 @@ class AgentSettings:
         require(self.s3_timeout_s > 0, "s3_timeout_s", f"must be > 0 (got {self.s3_timeout_s})")
         require(self.s3_max_attempts >= 1, "s3_max_attempts", f"must be >= 1 (got {self.s3_max_attempts})")
         require(self.health_interval_s > 0, "health_interval_s", f"must be > 0 (got {self.health_interval_s})")
+        require(self.preempt_poll_interval_s > 0, "preempt_poll_interval_s",
+                f"must be > 0 (got {self.preempt_poll_interval_s})")
+        require(self.peak_flops_per_gpu >= 0, "peak_flops_per_gpu", f"must be >= 0 (got {self.peak_flops_per_gpu})")
+        require(0 <= self.mfu_floor < 1, "mfu_floor", f"must be in [0, 1) (got {self.mfu_floor})")
+        try:
+            _ = self.preemption
+        except ValueError as exc:
+            require(False, "preempt_sources", str(exc))
+        try:
+            _ = self.health_thresholds
+        except ValueError as exc:
+            require(False, "health_min_free", str(exc))
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")
 
@@ -111,6 +138,17 @@ class AgentSettings:
     @property
     def tiers(self) -> dict[str, Path]:
         return {"ssd": self.ssd_dir or self.workdir / "ssd", "hdd": self.hdd_dir or self.workdir / "hdd"}
+
+    @property
+    def preemption(self) -> PreemptionConfig:
+        sources = tuple(s for s in self.preempt_sources if s != "none")
+        return PreemptionConfig(sources=sources, poll_interval_s=self.preempt_poll_interval_s,
+                                file_path=self.preempt_file or self.workdir / "preemption-notice")
+
+    @property
+    def health_thresholds(self) -> HealthThresholds:
+        return HealthThresholds(min_free_bytes=dict(self.health_min_free),  # type: ignore[arg-type]  # parsed there
+                                expected_gpus=self.health_expected_gpus, max_gpu_temp_c=self.health_max_gpu_temp_c)
 
     @property
     def tier_specs(self) -> list[TierSpec]:

@@ -101,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--s3-endpoint", default="", help="add an S3-compatible cold tier at this URL")
     demo.add_argument("--report", type=Path, default=Path(tempfile.gettempdir()) / "ftd-demo-report.html",
                       help="where to write the drill's HTML report (default: %(default)s)")
+    demo.add_argument("--preempt", action="store_true",
+                      help="deliver a spot preemption notice instead of killing the node: a planned hand-over")
     demo.add_argument("--json", action="store_true")
 
     dr = sub.add_parser("drain", help="hand NODE's rank over to a spare after a final checkpoint (maintenance)")
@@ -175,7 +177,7 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
     if args.command == "demo":
         say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
         outcome = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say,
-                                s3_endpoint=args.s3_endpoint)
+                                s3_endpoint=args.s3_endpoint, preempt=args.preempt)
         report.write(outcome["drill"], args.report)
         say(f"drill report: {args.report}")
         if args.json:

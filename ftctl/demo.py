@@ -19,14 +19,16 @@ from ftd.coordinator.client import CoordinatorClient
 from ftd.testing import wait_for
 from ftd.v1 import checkpoint_pb2
 
-from . import drill, localcluster
+from . import drill, localcluster, preempt_drill
 from .json_shapes import status_dict
 
 
 def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool = False, say: Any = print,
              steps: int = 100000, ckpt_every: int = 10, warmup_steps: int = 30, s3_endpoint: str = "",
-             timeout_s: float = 150.0) -> dict[str, Any]:
-    """Returns ``{"drill", "checkpoints", "status_before", "status_after", "timeline", "workdir"}``."""
+             timeout_s: float = 150.0, preempt: bool = False) -> dict[str, Any]:
+    """Returns ``{"mode", "passed", "lost_steps", "drill", "checkpoints", "status_before",
+    "status_after", "timeline", "workdir"}``. With ``preempt`` the victim gets a spot preemption notice
+    instead of a SIGKILL: a planned hand-over after a final checkpoint."""
     temp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="ftd-demo-")) if workdir is None else workdir.resolve()
     started = time.monotonic()
@@ -61,14 +63,22 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
                  f"training past step {warmup_steps} with a valid checkpoint", interval_s=0.2)
         before = status_dict(client.status())
         victim = before["world"][-1]
-        mark(f"step {progress()}, newest valid checkpoint at step {valid_step()}; killing {victim} "
-             f"(rank {len(before['world']) - 1}) for real: its agent SIGKILLs its workers, then itself")
-        result = drill.run(client, victim, cluster.drill_token, "node", timeout_s=timeout_s)
+        if preempt:
+            mark(f"step {progress()}, newest valid checkpoint at step {valid_step()}; a spot preemption notice "
+                 f"for {victim} (rank {len(before['world']) - 1}): {preempt_drill.NOTICE_S:g}s to go")
+            result = preempt_drill.run(client, victim, localcluster.notice_file(cluster, victim), job_log=out,
+                                       timeout_s=timeout_s)
+        else:
+            mark(f"step {progress()}, newest valid checkpoint at step {valid_step()}; killing {victim} "
+                 f"(rank {len(before['world']) - 1}) for real: its agent SIGKILLs its workers, then itself")
+            result = drill.run(client, victim, cluster.drill_token, "node", timeout_s=timeout_s)
         for t, what in result.timeline[1:]:
             mark(f"  +{t:.2f}s {what}")
         if result.resumed_step is not None:
-            mark(f"training resumed from checkpoint step {result.resumed_step} (last step before the kill "
-                 f"{result.last_step_before}: {result.lost_steps} steps redone)")
+            mark(f"training resumed from checkpoint step {result.resumed_step} (last step before the "
+                 f"{'hand-over' if preempt else 'kill'} {result.last_step_before}: {result.lost_steps} steps redone)")
+        if preempt:
+            mark(f"job restarts counted: {result.restarts_before} before, {result.restarts_after} after")
         mark(f"verdict: {result.verdict}")
         after = status_dict(client.status())
         ckpts = [{"step": c.step, "valid": c.valid, "bytes": c.bytes, "tiers": dict(c.on_tier)}
@@ -76,7 +86,9 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
                                       idempotent=True).checkpoints]
         valid = [c["step"] for c in ckpts if c["valid"]]
         mark(f"checkpoints: {len(ckpts)} in the catalog, valid steps {valid[-3:]} (last three kept per tier)")
-        return {"drill": result.as_dict(), "checkpoints": ckpts, "status_before": before, "status_after": after,
+        return {"mode": result.mode, "passed": result.passed, "lost_steps": result.lost_steps,
+                "handover_s": result.handover_s, "drill": result.as_dict(), "checkpoints": ckpts,
+                "status_before": before, "status_after": after,
                 "timeline": timeline, "workdir": str(work)}
     finally:
         client.close()

@@ -52,6 +52,9 @@ class DrillResult:
     verdict: str
     passed: bool
     timeline: list[tuple[float, str]] = field(default_factory=list)
+    handover_s: float | None = None  # preempt: from the notice to the new world committed
+    restarts_before: int | None = None  # the job's restart budget use before and after the drill
+    restarts_after: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -202,6 +202,9 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
             "--metrics-listen", "127.0.0.1:0", "--workdir", str(node_dir),
             "--hdd-dir", str(workdir / "shared" / "hdd"), "--hdd-shared",
             "--ready-file", str(ready), "--drill-token", cluster.drill_token,
+            # A preemption notice is this node directory's trigger file (ftctl drill --preempt writes it);
+            # no cloud metadata server is polled on a local cluster.
+            "--preempt-sources", "file", "--preempt-poll-interval-s", "0.2",
             *(["--s3-endpoint", cluster.s3_endpoint, "--s3-bucket", cluster.s3_bucket] if cluster.s3_endpoint else []),
             *(["--labels", label_text] if label_text else []), *(extra_args or [])]
     proc = _spawn(argv, log)
@@ -209,6 +212,11 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
     cluster.agents.append(Proc(node_id, proc.pid, {"role": role, "workdir": str(node_dir), "labels": labels or {}}))
     cluster.save()
     return proc, ready, log
+
+
+def notice_file(cluster: ClusterFile, node_id: str) -> Path:
+    """Where a preemption notice for ``node_id`` is delivered (its agent's trigger file)."""
+    return Path(cluster.workdir) / "nodes" / node_id / "preemption-notice"
 
 
 def wait_agent(cluster: ClusterFile, node_id: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> Proc:

@@ -3,6 +3,6 @@
     from ftd.training import Checkpointer
 """
 
-from .checkpoint import Checkpointer, RestoreError, SaveResult
+from .checkpoint import Checkpointer, HandoverTimeout, RestoreError, SaveResult
 
-__all__ = ["Checkpointer", "RestoreError", "SaveResult"]
+__all__ = ["Checkpointer", "HandoverTimeout", "RestoreError", "SaveResult"]

@@ -69,7 +69,7 @@ class AgentLink:
         return self._call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=job))  # type: ignore[no-any-return]
 
     def report(self, rank: int, step: int | None = None, loss: float | None = None, grad_norm: float | None = None,
-               error: str = "", error_kind: str = "",
+               error: str = "", error_kind: str = "", flops: float | None = None,
                checkpoint: agent_pb2.CheckpointEvent | None = None) -> agent_pb2.ReportProgressResponse:
         request = agent_pb2.ReportProgressRequest(rank=rank, checkpoint_error=error, checkpoint_error_kind=error_kind)
         if checkpoint is not None:
@@ -80,6 +80,8 @@ class AgentLink:
                 request.progress.loss = loss
             if grad_norm is not None:
                 request.progress.grad_norm = grad_norm
+            if flops is not None:
+                request.progress.flops = flops
         return self._call("ReportProgress", request, timeout_s=2.0)  # type: ignore[no-any-return]
 
     def close(self) -> None:

@@ -57,6 +57,7 @@ from ftd.storage_backends.tiers import Tier, open_tiers, tiers_from_proto
 from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
+from .handover import HandoverFlag, agree_any
 from .snapshot import Snapshotter
 
 log = logging.getLogger("ftd.training.checkpoint")
@@ -68,6 +69,10 @@ def failpoint(name: str) -> None:
     which is how the crash-consistency tests stop a save at every interesting point."""
     if name in os.environ.get(_FAILPOINT_ENV, "").split(","):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HandoverTimeout(RuntimeError):
+    """A rank parked for a planned hand-over, and no new world came."""
 
 
 class RestoreError(RuntimeError):
@@ -126,6 +131,7 @@ class Checkpointer:
         self._inflight: Future[SaveResult] | None = None
         self._lock = threading.Lock()
         self._previous_handlers: dict[int, Any] = {}
+        self._handover = HandoverFlag()
         self._cleanup_leftovers()
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in emergency_signals:
@@ -326,10 +332,39 @@ class Checkpointer:
 
     # ---- progress and emergencies ------------------------------------------------------------------
 
-    def report_step(self, step: int, loss: float | None = None, grad_norm: float | None = None) -> None:
-        """Tells the agent the training made progress (hang detection, dashboards)."""
+    def report_step(self, step: int, loss: float | None = None, grad_norm: float | None = None,
+                    flops: float | None = None) -> None:
+        """Tells the agent the training made progress (hang detection, dashboards). ``flops``: the
+        model FLOPs of this rank's step (about 6 x parameters x tokens for a dense transformer), for
+        the MFU gauge. The answer says whether a planned hand-over is pending (:meth:`should_stop`)."""
         with contextlib.suppress(AgentUnavailable, CatalogRefused):
-            self.agent.report(self.rank, step=step, loss=loss, grad_norm=grad_norm)
+            answer = self.agent.report(self.rank, step=step, loss=loss, grad_norm=grad_norm, flops=flops)
+            self._handover.update(answer.handover, answer.handover_reason)
+
+    def should_stop(self, step: int) -> bool:
+        """Whether the job must stop at ``step`` for a planned hand-over (a preemption notice, a
+        drain): then save ``step`` and call :meth:`hand_over`. A collective: call it on every rank at
+        the same point of every step, after :meth:`report_step`; every rank gets the same answer."""
+        stop = agree_any(self._handover.pending)
+        if stop:
+            log.warning("rank %d stops at step %d for a planned hand-over (%s)", self.rank, step,
+                        self._handover.reason or "reported by another rank")
+        return stop
+
+    def hand_over(self, step: int, timeout_s: float = 300.0) -> None:
+        """Waits for the final save to be committed, then for the new world: the agent stops this
+        process once the hand-over is committed. Raises :class:`HandoverTimeout` when nothing happened
+        within ``timeout_s`` (the hand-over was lost; the job goes on from here)."""
+        result = self.wait()
+        if result is None or result.step != step or not result.ok:
+            why = "no save" if result is None else f"step {result.step}: {result.error or 'ok'}"
+            log.error("final checkpoint of step %d not committed (%s): the hand-over resumes from an older step",
+                      step, why)
+        else:
+            log.warning("final checkpoint of step %d committed; waiting for the new world", step)
+        self._handover.parked.set()
+        threading.Event().wait(timeout_s)  # the agent's SIGTERM (handled by _on_signal) ends this wait
+        raise HandoverTimeout(f"no new world within {timeout_s:g}s of the final checkpoint of step {step}")
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         log.warning("signal %d: flushing the latest snapshot before exiting", signum)

@@ -75,6 +75,12 @@ class PlainCheckpoints:
     def report_step(self, step: int, loss: float | None = None) -> None:
         pass
 
+    def should_stop(self, step: int) -> bool:
+        return False  # no agent tells a plain job about a hand-over
+
+    def hand_over(self, step: int) -> None:
+        pass
+
     def wait(self) -> None:
         pass
 
@@ -127,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         ckpt.report_step(step, loss=loss.item())
         emit(event="step", step=step, loss=loss.item(), params_crc=params_crc(model))
+        if ckpt.should_stop(step):  # a planned hand-over: a final checkpoint of this very step
+            ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
+            emit(event="handover", step=step)
+            ckpt.hand_over(step)  # the agent stops this process once the new world is committed
         if step % args.ckpt_every == 0:
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
         time.sleep(args.step_time)

@@ -428,20 +428,44 @@ class ReportProgressResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ASSIGNMENT_FIELD_NUMBER: _builtins.int
+    HANDOVER_FIELD_NUMBER: _builtins.int
+    HANDOVER_REASON_FIELD_NUMBER: _builtins.int
+    handover: _builtins.bool
+    """A planned hand-over (a preemption notice, a drain) is pending for the job: every rank saves a final
+    checkpoint at the same step and waits for the new world (ftd.training.Checkpointer.should_stop).
+    """
+    handover_reason: _builtins.str
     @_builtins.property
     def assignment(self) -> _cluster_pb2.Assignment: ...
     def __init__(
         self,
         *,
         assignment: _cluster_pb2.Assignment | None = ...,
+        handover: _builtins.bool = ...,
+        handover_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "handover", b"handover", "handover_reason", b"handover_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportProgressResponse: _TypeAlias = ReportProgressResponse  # noqa: Y015
+
+@_typing.final
+class CheckHealthRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckHealthRequest: _TypeAlias = CheckHealthRequest  # noqa: Y015
 
 @_typing.final
 class KillRequest(_message.Message):

@@ -5,6 +5,7 @@ import warnings
 
 from ftd.v1 import agent_pb2 as ftd_dot_v1_dot_agent__pb2
 from ftd.v1 import checkpoint_pb2 as ftd_dot_v1_dot_checkpoint__pb2
+from ftd.v1 import cluster_pb2 as ftd_dot_v1_dot_cluster__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -80,6 +81,11 @@ class AgentStub:
                 request_serializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyResponse.FromString,
                 _registered_method=True)
+        self.CheckHealth = channel.unary_unary(
+                '/ftd.v1.Agent/CheckHealth',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_cluster__pb2.HealthVerdict.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -146,6 +152,13 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckHealth(self, request, context):
+        """Runs the node's health checks now (disks, GPUs) against its configured thresholds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +206,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.VerifyCopy,
                     request_deserializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_agent__pb2.VerifyCopyResponse.SerializeToString,
+            ),
+            'CheckHealth': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckHealth,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_cluster__pb2.HealthVerdict.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +456,33 @@ class Agent:
             '/ftd.v1.Agent/VerifyCopy',
             ftd_dot_v1_dot_agent__pb2.VerifyCopyRequest.SerializeToString,
             ftd_dot_v1_dot_agent__pb2.VerifyCopyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/CheckHealth',
+            ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.SerializeToString,
+            ftd_dot_v1_dot_cluster__pb2.HealthVerdict.FromString,
             options,
             channel_credentials,
             insecure,

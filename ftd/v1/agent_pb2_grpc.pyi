@@ -8,6 +8,7 @@ over TCP. Destructive operations need `authorization: Bearer <drill token>` meta
 from collections import abc as _abc
 from ftd.v1 import agent_pb2 as _agent_pb2
 from ftd.v1 import checkpoint_pb2 as _checkpoint_pb2
+from ftd.v1 import cluster_pb2 as _cluster_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
@@ -52,6 +53,8 @@ class AgentStub:
     GetTiers: _grpc.UnaryUnaryMultiCallable[_agent_pb2.GetTiersRequest, _agent_pb2.Tiers]
     VerifyCopy: _grpc.UnaryUnaryMultiCallable[_agent_pb2.VerifyCopyRequest, _agent_pb2.VerifyCopyResponse]
     """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
+    CheckHealth: _grpc.UnaryUnaryMultiCallable[_agent_pb2.CheckHealthRequest, _cluster_pb2.HealthVerdict]
+    """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
 
 @_typing.type_check_only
 class AgentAsyncStub(AgentStub):
@@ -74,6 +77,8 @@ class AgentAsyncStub(AgentStub):
     GetTiers: _aio.UnaryUnaryMultiCallable[_agent_pb2.GetTiersRequest, _agent_pb2.Tiers]  # type: ignore[assignment]
     VerifyCopy: _aio.UnaryUnaryMultiCallable[_agent_pb2.VerifyCopyRequest, _agent_pb2.VerifyCopyResponse]  # type: ignore[assignment]
     """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
+    CheckHealth: _aio.UnaryUnaryMultiCallable[_agent_pb2.CheckHealthRequest, _cluster_pb2.HealthVerdict]  # type: ignore[assignment]
+    """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
 
 class AgentServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -147,5 +152,13 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.VerifyCopyResponse, _abc.Awaitable[_agent_pb2.VerifyCopyResponse]]:
         """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
+
+    @_abc_1.abstractmethod
+    def CheckHealth(
+        self,
+        request: _agent_pb2.CheckHealthRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.HealthVerdict, _abc.Awaitable[_cluster_pb2.HealthVerdict]]:
+        """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

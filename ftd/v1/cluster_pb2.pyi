@@ -141,26 +141,33 @@ class HealthCheck(_message.Message):
     name: _builtins.str
     """e.g. "disk_free:ssd", "gpu_count", "gpu_temperature:3", "probe_bandwidth" """
     ok: _builtins.bool
-    value: _builtins.str
-    """human-readable measured value, e.g. "1.2 GiB" """
-    threshold: _builtins.str
-    """human-readable threshold, e.g. ">= 10 GiB" """
+    value: _builtins.float
+    """the measured value (bytes, GPUs, °C, errors, seconds...)"""
+    threshold: _builtins.float
+    """the limit it was held to"""
     reason: _builtins.str
-    """set when not ok"""
+    """human-readable, e.g. "ssd free 1.2 GiB < 10 GiB"; set when not ok"""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         ok: _builtins.bool = ...,
-        value: _builtins.str = ...,
-        threshold: _builtins.str = ...,
+        value: _builtins.float | None = ...,
+        threshold: _builtins.float | None = ...,
         reason: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_threshold", b"_threshold", "_value", b"_value", "threshold", b"threshold", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "ok", b"ok", "reason", b"reason", "threshold", b"threshold", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_threshold", b"_threshold", "_value", b"_value", "name", b"name", "ok", b"ok", "reason", b"reason", "threshold", b"threshold", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__threshold: _TypeAlias = _typing.Literal["threshold"]  # noqa: Y015
+    _WhichOneofArgType__threshold: _TypeAlias = _typing.Literal["_threshold", b"_threshold"]  # noqa: Y015
+    _WhichOneofReturnType__value: _TypeAlias = _typing.Literal["value"]  # noqa: Y015
+    _WhichOneofArgType__value: _TypeAlias = _typing.Literal["_value", b"_value"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__threshold) -> _WhichOneofReturnType__threshold | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__value) -> _WhichOneofReturnType__value | None: ...
 
 Global___HealthCheck: _TypeAlias = HealthCheck  # noqa: Y015
 
