@@ -24,7 +24,7 @@ from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
-from . import certs, checkpoints, demo, drill, localcluster, render, report
+from . import certs, checkpoints, demo, drill, health, localcluster, render, report
 from .json_shapes import node_dict, status_dict
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--preempt", action="store_true",
                       help="deliver a spot preemption notice instead of killing the node: a planned hand-over")
     demo.add_argument("--json", action="store_true")
+
+    hc = sub.add_parser("health", help="run the health checks of every node (or NODE) now, with values and thresholds")
+    hc.add_argument("node", metavar="NODE", nargs="?")
+    hc.add_argument("--json", action="store_true")
 
     dr = sub.add_parser("drain", help="hand NODE's rank over to a spare after a final checkpoint (maintenance)")
     dr.add_argument("node", metavar="NODE")
@@ -211,6 +215,10 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             return _checkpoints(client, args)
         elif args.command == "drain":
             return _drain(client, args)
+        elif args.command == "health":
+            rows = health.check(client, args.node)
+            _print_json(rows) if args.json else print(health.render(rows))
+            return 0 if all(r["healthy"] is not False for r in rows) else 1
         elif args.command == "drill":
             mode, node = (("node", args.kill_node) if args.kill_node else ("worker", args.kill_worker)
                           if args.kill_worker else ("hang", args.hang_node))
@@ -296,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = rpc_code(exc)
         print(f"ftctl: coordinator answered {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
         return 1
-    except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError, DrainTimeout) as exc:
+    except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError, DrainTimeout,
+            health.HealthCommandError) as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 1
 
