@@ -46,3 +46,19 @@ def test_demo_recovers_and_writes_a_report_chromium_renders(tmp_path: Path,
                    capture_output=True, timeout=120, check=True)
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, "the screenshot is empty"
+
+
+def test_demo_preempt_hands_over_without_losing_a_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ftctl demo --preempt``: a spot notice (the agent's trigger file), a final checkpoint at one agreed
+    step, the spare takes the rank, the job resumes at that step, and the restart budget is untouched."""
+    rc = main(["demo", "--preempt", "--json", "--report", str(tmp_path / "r.html"),
+               "--workdir", str(tmp_path / "demo")])
+    out = json.loads(capsys.readouterr().out)
+    drill = out["drill"]
+    assert rc == 0 and out["passed"], drill["verdict"]
+    assert out["mode"] == "preempt" and out["lost_steps"] == 0
+    assert drill["replacement"] == "node-2" and drill["restarts_after"] == drill["restarts_before"]
+    assert drill["resumed_step"] == drill["last_step_before"] > 30, "the final checkpoint is the last step run"
+    assert 0 <= out["handover_s"] < 30, "committed before the notice's 30 s ran out"
+    final = next(c for c in out["checkpoints"] if c["step"] == drill["resumed_step"])
+    assert final["valid"]
