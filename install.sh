@@ -32,6 +32,9 @@ if [[ -n "$extras" ]]; then
   command -v promtool >/dev/null 2>&1 || need+=(prometheus)
   command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  # Network namespaces, partitions and delays for ftctl up --isolate and the chaos matrix.
+  command -v ip >/dev/null 2>&1 || need+=(iproute2)
+  command -v nft >/dev/null 2>&1 || need+=(nftables)
   if (( ${#need[@]} )); then
     echo "install.sh: installing test tools: ${need[*]}"
     apt_install "${need[@]}"
