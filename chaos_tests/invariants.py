@@ -12,6 +12,7 @@ says which promise broke and where.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ def epochs_increase(events: Iterable[Event]) -> Check:
     no epoch appears twice: two worlds in one epoch would be a split brain."""
     seen: list[int] = [int(e["epoch"]) for e in sorted(events, key=lambda e: int(e["seq"]))
                        if e["kind"] == "epoch_changed"]
-    for before, after in zip(seen, seen[1:], strict=False):
+    for before, after in itertools.pairwise(seen):
         if after == before:
             return Check("one_world_per_epoch", False, f"epoch {after} was committed twice")
         if after < before:
