@@ -35,6 +35,8 @@ if [[ -n "$extras" ]]; then
   # Network namespaces, partitions and delays for ftctl up --isolate and the chaos matrix.
   command -v ip >/dev/null 2>&1 || need+=(iproute2)
   command -v nft >/dev/null 2>&1 || need+=(nftables)
+  # etcdctl runs the etcd auth script of deploy/ in its test.
+  command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
   if (( ${#need[@]} )); then
     echo "install.sh: installing test tools: ${need[*]}"
     apt_install "${need[@]}"

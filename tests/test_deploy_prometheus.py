@@ -45,6 +45,7 @@ EXPORTED_METRICS = {
     "ftd_coordinator_checkpoint_last_valid_timestamp_seconds",
     "ftd_coordinator_checkpoint_interval_seconds",
     "ftd_coordinator_recovery_open_seconds",
+    "ftd_coordinator_etcd_alarm",
     # agent (one per node)
     "ftd_agent_connected",
     "ftd_agent_gpu_utilization_ratio",
@@ -65,7 +66,12 @@ EXPORTED_METRICS = {
 # Metrics the rules are written against that the daemons do not register yet, with what must register
 # and set them. Their alerts stay silent until then; the registry check below is an expected failure
 # for them (an XPASS once the code exports them: then drop the entry).
-AWAITING_CODE: dict[str, str] = {}  # metrics an alert reads that no daemon registers yet: none
+AWAITING_CODE: dict[str, str] = {
+    "ftd_coordinator_etcd_alarm": (
+        "FtdEtcdAlarm reads ftd_coordinator_etcd_alarm{alarm=\"nospace\"|\"corrupt\"}, a gauge (1 while etcd "
+        "reports the alarm, else 0) that CoordinatorMetrics must register and the coordinator set from etcd's "
+        "alarm list (issue 11, item 4)"),
+}
 HISTOGRAMS = {
     "ftd_coordinator_detection_latency_seconds",
     "ftd_coordinator_recovery_seconds",
@@ -88,7 +94,12 @@ EXPECTED_ALERTS = {
     "FtdRecoveryOverdue",
     "FtdTierSpaceLow",
     "FtdMfuLow",
+    "FtdEtcdNoSpace",
+    "FtdEtcdAlarm",
 }
+# Where each alert's runbook lives: docs/operations.md, except the etcd alerts, whose sections are with the
+# etcd hardening they belong to.
+RUNBOOK_DOCS = {"FtdEtcdNoSpace": "docs/security.md", "FtdEtcdAlarm": "docs/security.md"}
 
 # The seed thresholds, exactly: GPU utilisation < 50 %, grad-norm change > 30 %, a save > 10 minutes.
 SEED_THRESHOLDS = {
@@ -197,10 +208,11 @@ def test_every_alert_is_documented(name: str) -> None:
     annotations = r.get("annotations", {})
     for key in ("summary", "description"):
         assert isinstance(annotations.get(key), str) and len(annotations[key].strip()) > 10, (name, key)
-    assert annotations.get("runbook_url") == f"docs/operations.md#{name.lower()}", name
+    doc = RUNBOOK_DOCS.get(name, "docs/operations.md")
+    assert annotations.get("runbook_url") == f"{doc}#{name.lower()}", name
     # ...and the runbook section exists (a heading whose anchor is the alert's name in lower case).
-    headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "operations.md").read_text(), re.MULTILINE)
-    assert name.lower() in [h.strip().lower() for h in headings], f"docs/operations.md has no section {name}"
+    headings = re.findall(r"^#+ (.+)$", (ROOT / doc).read_text(), re.MULTILINE)
+    assert name.lower() in [h.strip().lower() for h in headings], f"{doc} has no section {name}"
 
 
 @pytest.mark.parametrize("name", sorted(SEED_THRESHOLDS))
@@ -283,6 +295,23 @@ def test_new_alert_thresholds() -> None:
     mfu = rule("FtdMfuLow")["expr"]
     assert "(ftd_agent_training_mfu_ratio > 0)" in mfu and "(ftd_agent_training_mfu_floor_ratio > 0)" in mfu
     assert "rate(ftd_agent_training_steps_total[5m]) > 0" in mfu  # only while training
+
+
+def test_etcd_alerts() -> None:
+    """FtdEtcdNoSpace warns on etcd's own metrics at 80 % of the quota; FtdEtcdAlarm pages on the coordinator's
+    view of etcd's alarms, whichever replica sees it."""
+    nospace = rule("FtdEtcdNoSpace")
+    assert re.fullmatch(r"etcd_mvcc_db_total_size_in_bytes\s*/\s*etcd_server_quota_backend_bytes\s*>\s*0\.8",
+                        nospace["expr"].strip()), nospace["expr"]
+    assert nospace["labels"]["severity"] == "ticket"
+    alarm = rule("FtdEtcdAlarm")
+    assert "ftd_coordinator_etcd_alarm" in alarm["expr"] and "without (instance)" in alarm["expr"]
+    assert alarm["labels"]["severity"] == "page" and alarm["for"] == "0s"
+    assert "{{ $labels.alarm }}" in alarm["annotations"]["summary"]
+    alarms = {re.search(r'alarm="(\w+)"', s["series"]).group(1)  # type: ignore[union-attr]
+              for case in load_yaml(RULE_TESTS)["tests"] for s in case["input_series"]
+              if s["series"].startswith("ftd_coordinator_etcd_alarm")}
+    assert alarms == {"nospace", "corrupt"}  # the gauge's two label values, both exercised
 
 
 def test_unit_tests_cover_every_alert_both_ways() -> None:
