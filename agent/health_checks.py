@@ -56,7 +56,7 @@ _NVML_ERROR_TIMEOUT = 10
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
           "p": 1000**5, "pb": 1000**5, "pib": 1 << 50}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
 
 
 def parse_size(value: int | float | str) -> int:
@@ -67,7 +67,7 @@ def parse_size(value: int | float | str) -> int:
         if value < 0:
             raise ValueError(f"a size cannot be negative: {value!r}")
         return int(value)
-    match = _SIZE.match(value)
+    match = _SIZE.fullmatch(value)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise ValueError(f"expected a size like 10GiB or 500MB, got {value!r}")

@@ -40,7 +40,7 @@ __all__ = ["EVERYONE", "CommandError", "Cut", "Host", "Lab", "MissingPrivileges"
 
 _CAPS = {12: "CAP_NET_ADMIN", 21: "CAP_SYS_ADMIN"}
 _TOOLS = ("ip", "tc", "nft")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
 _RELAY = Path(__file__).with_name("netlab_relay.py")
 
 
@@ -194,7 +194,7 @@ class Lab:
 
     def add_host(self, name: str) -> Host:
         """A namespace with ``lo`` up and one address on the lab subnet, wired into the bridge."""
-        if not _NAME.match(name) or name == "switch" or name in self.hosts:
+        if not _NAME.fullmatch(name) or name == "switch" or name in self.hosts:
             raise NetlabError(f"bad or duplicate host name {name!r}")
         index = len(self.ledger.state["hosts"])
         host = Host(name, index, f"{self.prefix}-{name}", str(host_address(self.subnet, index)),

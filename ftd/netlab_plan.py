@@ -15,7 +15,7 @@ POOL = ipaddress.IPv4Network("10.231.0.0/16")
 EVERYONE = "*"
 _ROUTE_TYPES = {"unicast", "local", "broadcast", "multicast", "throw", "unreachable", "prohibit", "blackhole",
                 "nat", "anycast"}
-_NFT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+_NFT_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 
 
 class NetlabError(RuntimeError):
@@ -100,7 +100,7 @@ def render_cut(table: str, iface: str, cut: Cut) -> str:
     """The nft script defining ``table`` (family netdev) that realises ``cut`` on ``iface``: ingress
     drops what comes in, egress what goes out, both before the IP stack, so a sender sees a silent loss
     (a cut cable) and not a local EPERM."""
-    if not _NFT_NAME.match(table) or not _NFT_NAME.match(iface):
+    if not _NFT_NAME.fullmatch(table) or not _NFT_NAME.fullmatch(iface):
         raise NetlabError(f"bad nft table or interface name: {table!r}, {iface!r}")
     lines = [f"table netdev {table} {{"]
     for chain, hook, rules in (("inbound", "ingress", _rules(cut.inbound, "saddr")),
