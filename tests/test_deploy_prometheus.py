@@ -17,6 +17,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from ftd.agent.metrics import AgentMetrics
+from ftd.agent.rtt import RTT_BUCKETS, RttMetrics
 from ftd.coordinator.metrics import CoordinatorMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,8 @@ EXPORTED_METRICS = {
     "ftd_agent_checkpoint_save_bytes",
     "ftd_agent_training_mfu_ratio",
     "ftd_agent_training_mfu_floor_ratio",
+    "ftd_agent_peer_rtt_seconds",
+    "ftd_agent_peer_probe_failures_total",
 }
 # Metrics the rules are written against that the daemons do not register yet, with what must register
 # and set them. Their alerts stay silent until then; the registry check below is an expected failure
@@ -77,6 +80,7 @@ HISTOGRAMS = {
     "ftd_coordinator_recovery_seconds",
     "ftd_coordinator_recovery_phase_seconds",
     "ftd_agent_checkpoint_persist_seconds",
+    "ftd_agent_peer_rtt_seconds",
 }
 
 EXPECTED_ALERTS = {
@@ -96,16 +100,19 @@ EXPECTED_ALERTS = {
     "FtdMfuLow",
     "FtdEtcdNoSpace",
     "FtdEtcdAlarm",
+    "FtdNetworkLatencyHigh",
 }
 # Where each alert's runbook lives: docs/operations.md, except the etcd alerts, whose sections are with the
 # etcd hardening they belong to.
 RUNBOOK_DOCS = {"FtdEtcdNoSpace": "docs/security.md", "FtdEtcdAlarm": "docs/security.md"}
 
-# The seed thresholds, exactly: GPU utilisation < 50 %, grad-norm change > 30 %, a save > 10 minutes.
+# The seed thresholds, exactly: GPU utilisation < 50 %, grad-norm change > 30 %, a save > 10 minutes,
+# network latency > 50 us.
 SEED_THRESHOLDS = {
     "FtdGpuUtilizationLow": r"<\s*0\.5(?![\d.])",
     "FtdGradNormJump": r">\s*0\.3(?![\d.])",
     "FtdCheckpointSlow": r"ftd_agent_checkpoint_save_in_progress_seconds\s*>\s*600(?![\d.])",
+    "FtdNetworkLatencyHigh": r"ftd_agent_peer_rtt_seconds_bucket\[5m\]\)\)\s*>\s*50e-6(?![\d.e])",
 }
 
 PROMTOOL_MISSING = ("promtool is not installed: install it with `apt-get install -y prometheus` "
@@ -250,15 +257,19 @@ def _registered(registry: CollectorRegistry) -> set[str]:
     return {m.name + ("_total" if m.type == "counter" else "") for m in registry.collect()}
 
 
-REGISTERED = _registered(AgentMetrics().registry) | _registered(CoordinatorMetrics().registry)
+# RttMetrics (agent/rtt.py) is registered on the agent's registry next to AgentMetrics.
+REGISTERED = (_registered(AgentMetrics().registry) | _registered(RttMetrics(CollectorRegistry()).registry)
+              | _registered(CoordinatorMetrics().registry))
 
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(reason=AWAITING_CODE[n], strict=False)) if n in AWAITING_CODE else n
     for n in sorted(EXPORTED_METRICS)])
 def test_exported_metrics_are_registered_by_the_daemons(name: str) -> None:
-    """EXPORTED_METRICS is not wishful: every name is registered by AgentMetrics or CoordinatorMetrics."""
-    assert name in REGISTERED, f"{name} is not registered by ftd.agent.metrics nor ftd.coordinator.metrics"
+    """EXPORTED_METRICS is not wishful: every name is registered by AgentMetrics (with RttMetrics) or
+    CoordinatorMetrics."""
+    assert name in REGISTERED, (f"{name} is not registered by ftd.agent.metrics, ftd.agent.rtt nor "
+                                "ftd.coordinator.metrics")
 
 
 def test_awaiting_code_only_lists_metrics_the_rules_use() -> None:
@@ -322,3 +333,31 @@ def test_unit_tests_cover_every_alert_both_ways() -> None:
             (firing if check.get("exp_alerts") else quiet).add(check["alertname"])
     assert EXPECTED_ALERTS - firing == set(), "alerts without a test case where they fire"
     assert EXPECTED_ALERTS - quiet == set(), "alerts without a test case where they stay quiet"
+
+
+def test_network_latency_alert() -> None:
+    """The seed's 50 us, judged per link (instance = the probing node, peer = the far end) on the median
+    of the probes of the last 5 minutes; 50e-6 is a bucket bound of the histogram, so the median is
+    compared with the threshold exactly, not interpolated across it."""
+    latency = rule("FtdNetworkLatencyHigh")
+    expr = latency["expr"]
+    assert re.fullmatch(r"histogram_quantile\(0\.5,\s*rate\(ftd_agent_peer_rtt_seconds_bucket\[5m\]\)\)\s*>\s*50e-6",
+                        expr.strip()), expr
+    assert not re.search(r"\b(avg|sum|min|max)\b", expr), expr  # nothing aggregated away: every link on its own
+    assert 50e-6 in RTT_BUCKETS
+    assert latency["for"] == "5m" and latency["labels"]["severity"] == "ticket"
+    summary = latency["annotations"]["summary"]
+    assert "{{ $labels.instance }}" in summary and "{{ $labels.peer }}" in summary
+    # promtool: each firing alert names one link, and a case fires for some links of a node while its
+    # other links stay quiet (netem's 1 ms and ~60 us fire; ~20 us and ~40 us do not).
+    mixed = []
+    for case in load_yaml(RULE_TESTS)["tests"]:
+        probed = {re.search(r'peer="([^"]+)"', s["series"]).group(1)  # type: ignore[union-attr]
+                  for s in case["input_series"] if s["series"].startswith("ftd_agent_peer_rtt_seconds_bucket")}
+        assert len(probed) <= 4, case["name"]  # at most 4 targets per node (agent/rtt.py)
+        fired = [a["exp_labels"] for check in case.get("alert_rule_test", [])
+                 if check["alertname"] == "FtdNetworkLatencyHigh" for a in check.get("exp_alerts") or []]
+        assert all({"instance", "peer"} <= set(labels) for labels in fired), case["name"]
+        if fired and {labels["peer"] for labels in fired} < probed:
+            mixed.append(case["name"])
+    assert mixed, "no promtool case where some links of a node fire and others stay quiet"
