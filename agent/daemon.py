@@ -10,27 +10,46 @@ import shlex
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from ftd import metrics_http, rpc, systemd
+from ftd import metrics_http, pki, rpc, systemd
 from ftd.coordinator.client import CoordinatorClient
 from ftd.logs import set_identity
 from ftd.storage_backends.tiers import open_tiers, tiers_to_proto
 from ftd.v1 import agent_pb2, cluster_pb2
 
-from . import health, health_checks, service
+from . import health, health_checks, rtt, service
+from .bulk_copy import BulkServer
 from .handover import Handover
 from .heartbeat import Identity, Session
 from .metrics import AgentMetrics
+from .peer_copy import PeerFetcher
 from .preemption import PreemptionWatcher
+from .replicator import ReplicationMetrics, Replicator
+from .rtt import RttMetrics, RttProber
 from .settings import AgentSettings
 from .supervisor import Supervisor
 from .tiering import Tiering
 from .training import TrainingSupervisor, TrainSpec
+from .warm_training import WarmTrainingSupervisor
 
 log = logging.getLogger("ftd.agent")
+MAX_SAVES_IN_FLIGHT = 64  # local ranks saving at once; more is a misbehaving client
+
+
+def bind_private_socket(server: grpc.Server, path: Path) -> None:
+    """Binds the training process's Unix socket with mode 0600 (owner only) from its creation on: the
+    file mode is its access control (a peer on it is the ``local`` identity)."""
+    old = os.umask(0o177)
+    try:
+        if rpc.add_port(server, f"unix:{path}") == 0:
+            raise OSError(f"cannot bind the Unix socket {path}")
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
 
 
 class AgentDaemon:
@@ -38,6 +57,13 @@ class AgentDaemon:
         self.settings = settings
         self.node_id = settings.effective_node_id
         self.metrics = AgentMetrics()
+        # mTLS: this node's certificate (a bad one fails the start here, naming the file: pki.PkiError)
+        self.identity = settings.identity
+        self.guard: rpc.Guard | None = None
+        if self.identity is not None:
+            own = pki.identity_of(self.identity.load().cert_pem)
+            assert own is not None  # load() checked that the certificate names node/<node_id>
+            self.guard = rpc.Guard(cluster=own.cluster, on_denied=self._denied)
         self.supervisor = Supervisor()
         self.gpu = health.GpuProbe()
         self._progress = cluster_pb2.Progress(step=-1)
@@ -45,10 +71,12 @@ class AgentDaemon:
         self._progress_lock = threading.Lock()
         self._stop = threading.Event()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ftd-agent-rpc"),
-                                  options=rpc.SERVER_OPTIONS)
+                                  options=rpc.SERVER_OPTIONS,
+                                  interceptors=[rpc.AuthzInterceptor(self.guard)] if self.guard is not None else None)
         self.address = ""
         self.metrics_address = ""
-        self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s)
+        self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s,
+                                        tls=self.identity)
         self.session: Session  # created in start(), once the agent's own address is known
         self.tiering = Tiering(open_tiers(settings.tier_specs), self._catalog_call, settings.keep_per_tier,
                                settings.tier_bandwidth_mb_s * 1e6, settings.tiering_interval_s)
@@ -61,6 +89,49 @@ class AgentDaemon:
                                  self.metrics)
         self.preemption: PreemptionWatcher | None = None
         self.xids = health_checks.XidMonitor(self.gpu.nvml) if self.gpu.available else None
+        self.rtt = RttProber(RttMetrics(self.metrics.registry))
+        self._rtt_key: tuple[str, int] | None = None  # (leader, epoch) the probe targets were chosen for
+        self._rtt_at = -1e9
+        self._rtt_busy = threading.Lock()
+        spool = settings.mem_path if self.tiering.mem is not None else settings.tiers["ssd"]
+        listen_host = settings.listen.rpartition(":")[0].strip("[]")
+        self.bulk = BulkServer(listen_host, settings.peer_copy_port) if settings.peer_copy_port >= 0 else None
+        self.peers = PeerFetcher(self._agent_of, self.peer_channel, spool / ".peer-copies", fast=self.bulk is not None)
+        # Memory snapshots: pushed to the buddy (agent.replicator), a buddy's received (Agent.WriteShard).
+        self.replicator = Replicator(
+            self.tiering.mem, self.node_id, lambda: self.client.nodes().nodes, self.peer_channel, self._catalog_call,
+            ReplicationMetrics(self.metrics.registry), bandwidth_bytes_s=settings.replication_bandwidth_mb_s * 1e6,
+        ) if self.tiering.mem is not None else None
+
+    def _agent_of(self, node_id: str) -> str:
+        """The agent address of an alive node (the peer copy path), "" when unknown or gone."""
+        gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
+        for node in self.client.nodes().nodes:
+            if node.node_id == node_id:
+                return "" if node.state in gone else node.agent_address
+        return ""
+
+    def peer_channel(self, address: str) -> grpc.Channel:
+        """A channel to another node's agent, with this node's certificate under mTLS."""
+        return rpc.channel(address, tls=self.identity)
+
+    def _denied(self, method: str, rule: str) -> None:
+        self.metrics.rpc_denied.labels(method, rule).inc()
+
+    def drill_token(self) -> str:
+        """The second factor of Kill ("" = none), read afresh so that a replaced token file counts."""
+        path = self.settings.drill_token_file
+        if path is None:
+            return self.settings.drill_token
+        try:
+            if path.stat().st_mode & 0o077:
+                log.warning("drill token file %s is readable by group or others: chmod 600 it", path)
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise OSError(f"drill token file {path} is unreadable: {exc.strerror or exc}") from exc
+        if not token:
+            raise OSError(f"drill token file {path} is empty")
+        return token
 
     def _catalog_call(self, method: str, request: Any) -> Any:
         return self.client.call(method, request, idempotent=True)
@@ -112,13 +183,21 @@ class AgentDaemon:
         key = (rank, event.step)
         if event.phase == "started":
             self.metrics.save_blocked.observe(event.blocked_s)
+            # One save in flight per rank (a new one supersedes an older step), and a bounded table:
+            # the training side is not trusted to send "done" for everything it started.
+            for old in [k for k in self._saves_in_flight if k[0] == rank]:
+                del self._saves_in_flight[old]
+            if len(self._saves_in_flight) >= MAX_SAVES_IN_FLIGHT:
+                del self._saves_in_flight[min(self._saves_in_flight, key=self._saves_in_flight.__getitem__)]
             self._saves_in_flight[key] = time.monotonic()
         elif event.phase in ("done", "failed"):
             self._saves_in_flight.pop(key, None)
             if event.phase == "done":
-                self.metrics.persist.observe(event.persist_s)
-                self.metrics.bytes_written.labels("ssd").inc(event.bytes)
-                self.metrics.observe_save_done(event.step, event.bytes)
+                tier = event.tier if event.tier in ("mem", "ssd") else "ssd"
+                self.metrics.bytes_written.labels(tier).inc(event.bytes)
+                if tier == "ssd":  # a memory snapshot is no durable save: not in the persist and size figures
+                    self.metrics.persist.observe(event.persist_s)
+                    self.metrics.observe_save_done(event.step, event.bytes)
 
     def progress(self) -> cluster_pb2.Progress:
         with self._progress_lock:
@@ -188,6 +267,11 @@ class AgentDaemon:
             return False  # no round yet
         return bool(info.status == coordinator_pb2.RoundInfo.CLOSED)
 
+    def _on_response(self, response: Any) -> None:
+        self.handover.on_response(response)
+        if isinstance(self.training, WarmTrainingSupervisor):
+            self.training.on_response(response)
+
     def _on_connected(self, up: bool) -> None:
         self.metrics.connected.set(1 if up else 0)
 
@@ -203,11 +287,16 @@ class AgentDaemon:
             sock.unlink()  # a stale socket of a previous run; ours is created by bind below
         service.add_to_server(self.server, self)
         host, _, port = s.listen.rpartition(":")
-        bound = rpc.add_port(self.server, f"{host}:{port}")
+        if self.identity is None:
+            log.warning("no pki_dir: the agent's TCP port %s is PLAINTEXT without authorization; anyone who reaches "
+                        "it may read its state (and run drills with the drill token)", s.listen)
+        bound = rpc.add_port(self.server, f"{host}:{port}", self.identity)
+        if bound == 0:
+            raise OSError(f"cannot listen on {s.listen}")
         # Registered as the address others dial: a wildcard listen address means "reach me at my host".
         reach = s.effective_host if host.strip("[]") in ("0.0.0.0", "::", "") else host.strip("[]")
         self.address = f"{reach}:{bound}"
-        rpc.add_port(self.server, f"unix:{sock}")
+        bind_private_socket(self.server, sock)
         self.server.start()
         if s.metrics_listen:
             mhost, _, mport = s.metrics_listen.rpartition(":")
@@ -219,23 +308,30 @@ class AgentDaemon:
             s.heartbeat_interval_s, s.coordinator_timeout_s, s.reconnect_max_backoff_s,
             health=self.health, progress=self.progress, on_assignment=self._on_assignment,
             on_heartbeat=self.metrics.heartbeats.inc, on_reconnect=self.metrics.reconnects.inc,
-            on_connected=self._on_connected, on_response=self.handover.on_response,
+            on_connected=self._on_connected, on_response=self._on_response,
         )
         set_identity(node=self.node_id)
         if s.train_cmd:
-            self.training = TrainingSupervisor(TrainSpec(
+            spec = TrainSpec(
                 job=s.train_job, cmd=tuple(shlex.split(s.train_cmd)), nproc_per_node=s.nproc_per_node,
                 min_nodes=s.min_nodes, max_nodes=s.max_nodes, max_restarts=s.max_restarts,
                 coordinators=s.coordinators, node_id=self.node_id, host=s.effective_host, socket=sock,
                 log_path=s.workdir / "train.log", hang_timeout_s=s.hang_timeout_s,
-                hang_startup_grace_s=s.hang_startup_grace_s), self.supervisor, self._report_hang, self._job_closed)
+                hang_startup_grace_s=s.hang_startup_grace_s, pki_dir=s.pki_dir)
+            self.training = (WarmTrainingSupervisor(spec, self.supervisor, self.client, self._report_hang)
+                             if s.launcher == "warm" else
+                             TrainingSupervisor(spec, self.supervisor, self._report_hang, self._job_closed))
+        self.rtt.start()
         if s.preemption.sources:
             self.preemption = PreemptionWatcher.from_config(s.preemption, self.handover.on_notice)
             self.preemption.start()
         threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()
         threading.Thread(target=self.tiering.run, args=(self._stop,), name="ftd-tiering", daemon=True).start()
-        log.info("agent %s serving on %s and unix:%s (metrics %s); coordinators %s", self.node_id, self.address,
-                 sock, self.metrics_address or "off", s.coordinators)
+        if self.replicator is not None:
+            threading.Thread(target=self.replicator.run, args=(self._stop,), name="ftd-replicator", daemon=True).start()
+        log.info("agent %s serving on %s (%s) and unix:%s (metrics %s); coordinators %s", self.node_id,
+                 self.address, f"mTLS as node/{self.node_id}" if self.identity else "PLAINTEXT", sock,
+                 self.metrics_address or "off", s.coordinators)
         if s.ready_file:
             tmp = s.ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "node_id": self.node_id, "address": self.address,
@@ -265,9 +361,35 @@ class AgentDaemon:
             self.metrics.save_in_progress.set(time.monotonic() - min(in_flight) if in_flight else 0.0)
             if self.training is not None:
                 self.training.tick()
+            self._maybe_retarget_rtt()
             self.supervisor.reap()
             self._publish_tier_metrics()
             watchdog.tick()
+
+    def _maybe_retarget_rtt(self) -> None:
+        """Chooses the RTT probe targets again when the leader or the epoch changed, else once a minute;
+        the node list comes from the coordinator, so it is read off the main loop."""
+        session = getattr(self, "session", None)
+        if session is None:
+            return
+        key = (session.leader_address, session.assignment.epoch)
+        if (key == self._rtt_key and time.monotonic() - self._rtt_at < 60.0) or self._rtt_busy.locked():
+            return
+        self._rtt_key, self._rtt_at = key, time.monotonic()
+        threading.Thread(target=self._retarget_rtt, args=(key[0],), name="ftd-rtt-targets", daemon=True).start()
+
+    def _retarget_rtt(self, leader: str) -> None:
+        with self._rtt_busy:
+            try:
+                nodes = list(self.client.nodes().nodes)
+            except (grpc.RpcError, ConnectionError) as exc:
+                log.debug("RTT targets kept: cannot list nodes (%s)", exc)
+                self._rtt_key = None
+                return
+            label = "rack"
+            world = list(self.session.assignment.world) or rtt.world_from_nodes(nodes)
+            self.rtt.set_targets(rtt.plan(self.node_id, self.settings.labels.get(label, ""),
+                                          rtt.peers_from_nodes(nodes, label), world, leader))
 
     def stop(self) -> None:
         log.info("stopping agent %s", self.node_id)
@@ -276,7 +398,10 @@ class AgentDaemon:
         if self.training is not None:
             self.training.stop("the agent is stopping")
         self.session.stop()
+        self.rtt.stop(timeout_s=2.0)
         if self.preemption is not None:
             self.preemption.stop(timeout_s=2.0)
         self.server.stop(grace=1.0).wait(2.0)
+        if self.bulk is not None:
+            self.bulk.close()
         self.client.close()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from ftd import logs
+from ftd.pki import PkiError
 from ftd.settings import load_or_exit
 
 from .daemon import AgentDaemon
@@ -21,7 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         env_prefix=ENV_PREFIX, description="ftd node agent: registration, heartbeats, supervision, drills.",
     )
     logs.configure(settings.log_level, component="agent")
-    daemon = AgentDaemon(settings)
+    try:
+        daemon = AgentDaemon(settings)
+    except PkiError as exc:
+        print(f"ftd-agent: cannot serve with mTLS: {exc}", file=sys.stderr)
+        return 1
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         daemon.request_stop()

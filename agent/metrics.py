@@ -77,6 +77,9 @@ class AgentMetrics:
                                           ["source", "kind"], registry=r)
         self.handover_pending = Gauge("ftd_agent_handover_pending",
                                       "1 while a planned hand-over of a node of the job is pending", registry=r)
+        self.rpc_denied = Counter("ftd_agent_rpc_denied_total",
+                                  "Calls refused by the authorization table (docs/security.md) or for a wrong drill "
+                                  "token (rule drill_token), by method and rule", ["method", "rule"], registry=r)
         self.healthy = Gauge("ftd_agent_healthy", "1 when the node passes its health checks, else 0", registry=r)
         self._mfu = MfuMeter()
         self._save_totals: dict[int, int] = {}

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from ftd.checkpoints.layout import BadIdentifier, check_job, check_rank, check_step
 from ftd.rpc import rpc_code, rpc_details
+from ftd.storage_backends.base import StorageError
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
+from . import bulk_copy, peer_copy, replicator
 from .training import signal_pids
 
 if TYPE_CHECKING:
     from .daemon import AgentDaemon
 
 log = logging.getLogger("ftd.agent")
+# The save-failure kinds that become metric labels; anything else a client sends counts as "other".
+FAILURE_KINDS = frozenset({"disk_full", "memory_full", "io", "error", "checksum", "timeout", "agent"})
 
 
 def bearer_token(context: grpc.ServicerContext) -> str:
@@ -43,7 +50,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             self.daemon.checkpoint_event(request.rank, request.checkpoint)
         if request.checkpoint_error:
             kind = request.checkpoint_error_kind or "error"
-            self.daemon.metrics.save_failures.labels(kind[:40]).inc()
+            self.daemon.metrics.save_failures.labels(kind if kind in FAILURE_KINDS else "other").inc()
             log.error("checkpoint save failed on rank %d (%s): %s", request.rank, kind, request.checkpoint_error[:500])
         if not request.HasField("progress") and (request.checkpoint_error or request.HasField("checkpoint")):
             return self._progress_answer()
@@ -59,18 +66,106 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment,
                                                 handover=bool(pending.nodes), handover_reason=pending.reason)
 
+    def ReadShard(self, request: agent_pb2.ReadShardRequest,
+                  context: grpc.ServicerContext) -> Iterator[agent_pb2.ShardChunk]:
+        tier = next((t for t in self.daemon.tiering.tiers if t.name == request.tier), None)
+        if tier is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"tier {request.tier[:40]!r}: not a tier of this node")
+        try:
+            yield from peer_copy.serve_shard(tier.backend, check_job(request.job), check_step(request.step),
+                                             check_rank(request.rank))
+        except BadIdentifier as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except peer_copy.CopyMissing as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except peer_copy.CopyCorrupt as exc:  # corrupt at rest here: only this node may record its copy
+            with contextlib.suppress(grpc.RpcError, ConnectionError):
+                self.daemon.client.call("RecordCopy", checkpoint_pb2.RecordCopyRequest(
+                    job=request.job, step=request.step, rank=request.rank, tier=tier.name, location=tier.location,
+                    present=True, corrupt_reason=str(exc)[:400]), idempotent=True)
+            context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        except (StorageError, OSError) as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"tier {tier.name}: {exc}")
+
+    def OpenShard(self, request: agent_pb2.ReadShardRequest,
+                  context: grpc.ServicerContext) -> agent_pb2.OpenShardResponse:
+        """The fast path of ReadShard: one copy offered on the dedicated connection (agent.bulk_copy)."""
+        tier = next((t for t in self.daemon.tiering.tiers if t.name == request.tier), None)
+        if tier is None or self.daemon.bulk is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED if tier is not None else grpc.StatusCode.NOT_FOUND,
+                          f"tier {request.tier[:40]!r}: no fast copy from this node")
+        try:
+            files = bulk_copy.shard_files(tier.backend, check_job(request.job), check_step(request.step),
+                                          check_rank(request.rank))
+        except BadIdentifier as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except bulk_copy.NotADirectoryTier as exc:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        except bulk_copy.CopyNotHere as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+
+        def corrupt(why: str) -> None:  # found while sending: only this node may record its copy
+            with contextlib.suppress(grpc.RpcError, ConnectionError):
+                self.daemon.client.call("RecordCopy", checkpoint_pb2.RecordCopyRequest(
+                    job=request.job, step=request.step, rank=request.rank, tier=tier.name, location=tier.location,
+                    present=True, corrupt_reason=why[:400]), idempotent=True)
+
+        port, offer = self.daemon.bulk.offer(files, corrupt)
+        return agent_pb2.OpenShardResponse(
+            port=port, transfer=offer.transfer, key=offer.key, chunk_bytes=self.daemon.bulk.chunk_bytes,
+            files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files])
+
+    def WriteShard(self, request_iterator: Iterator[agent_pb2.WriteShardChunk],
+                   context: grpc.ServicerContext) -> agent_pb2.WriteShardResponse:
+        """A buddy's memory snapshot into this node's memory tier (agent.replicator.receive_replica)."""
+        if self.daemon.replicator is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.daemon.node_id} has no memory tier")
+        try:
+            return self.daemon.replicator.receive(request_iterator)
+        except replicator.ReplicaRefused as exc:
+            context.abort(exc.code, str(exc))
+        except (StorageError, OSError) as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"memory tier of node {self.daemon.node_id}: {exc}")
+        raise AssertionError("unreachable")
+
+    def FetchShard(self, request: agent_pb2.FetchShardRequest,
+                   context: grpc.ServicerContext) -> agent_pb2.FetchShardResponse:
+        try:
+            got = self.daemon.peers.fetch(request)
+        except peer_copy.PeerUnreachable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {request.location}: {exc}")
+        except peer_copy.CopyMissing as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.location}: {exc}")
+        except peer_copy.CopyCorrupt as exc:
+            context.abort(grpc.StatusCode.DATA_LOSS, f"node {request.location}: {exc}")
+        except (peer_copy.PeerCopyError, OSError) as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {request.location}: {exc}")
+        return agent_pb2.FetchShardResponse(path=str(got.path), bytes=got.bytes, seconds=got.seconds,
+                                            verified=got.verified)
+
     def CheckHealth(self, request: agent_pb2.CheckHealthRequest,
                     context: grpc.ServicerContext) -> cluster_pb2.HealthVerdict:
         return self.daemon.check_health()
 
     def Kill(self, request: agent_pb2.KillRequest, context: grpc.ServicerContext) -> agent_pb2.KillResponse:
-        expected = self.daemon.settings.drill_token
-        if not expected:
+        # With mTLS the authorization table has already let only operators through; the drill token,
+        # when one is configured, is a second factor on top. Without mTLS it is the only one.
+        daemon = self.daemon
+        try:
+            expected = daemon.drill_token()
+        except OSError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"drills are disabled on node {self.daemon.node_id}: set drill_token to enable Kill")
-        if not hmac.compare_digest(bearer_token(context).encode(), expected.encode()):
+                          f"drills are unavailable on node {daemon.node_id}: {exc}")
+        if not expected and daemon.identity is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"drills are disabled on node {daemon.node_id}: without mTLS (pki_dir) Kill needs a drill "
+                          "token (drill_token_file)")
+        if expected and not hmac.compare_digest(bearer_token(context).encode(), expected.encode()):
+            daemon.metrics.rpc_denied.labels("Agent/Kill", "drill_token").inc()
+            log.warning("denied Kill: no or a wrong drill token (the second factor of node %s)", daemon.node_id)
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"Kill on node {self.daemon.node_id} needs 'authorization: Bearer <drill token>'")
+                          f"Kill on node {daemon.node_id} needs its drill token as well ('authorization: Bearer "
+                          "<token>'; ftctl drill: FTD_DRILL_TOKEN or --token-file) (rule: drill_token)")
         training = self.daemon.training
         if request.mode == agent_pb2.KillRequest.WORKER:
             workers = training.workers() if training is not None else []
@@ -117,7 +212,11 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         if not request.location:
             request.location = self.daemon.node_id if request.tier != "s3" else "s3"
         response = self._forward("CommitShard", request, context)
-        self.daemon.tiering.notify()
+        if request.tier == "mem" and self.daemon.replicator is not None:  # to the buddy, in the background
+            m = request.manifest
+            self.daemon.replicator.enqueue(m.job, m.step, m.rank)
+        else:
+            self.daemon.tiering.notify()
         return response  # type: ignore[no-any-return]
 
     def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,

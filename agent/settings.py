@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftd.coordinator.model import valid_node_id
+from ftd.pki import IdentityFiles
 from ftd.rpc import parse_endpoints
 from ftd.settings import require, setting
 from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec
 
 from .health_checks import HealthThresholds
+from .memory_tier import DEFAULT_ROOT, default_capacity
 from .preemption import PreemptionConfig
 
 ENV_PREFIX = "FTD_AGENT_"
@@ -46,8 +48,21 @@ class AgentSettings:
     keep_per_tier: int = setting(3, "valid checkpoints kept on each tier", "checkpoints")
     tier_bandwidth_mb_s: float = setting(200.0, "bandwidth cap of background migrations (0: none)", "MB/s")
     tiering_interval_s: float = setting(2.0, "period of the tiering pass (migrations, retention)", "s")
+    mem_tier: bool = setting(True, "hold memory snapshots (the memory tier) and replicate them to a buddy node")
+    mem_dir: Path | None = setting(None, "memory tier directory, on tmpfs: memory snapshots of this node's ranks and "
+                                         "its buddies' replicas (default /dev/shm/ftd/NODE_ID)")
+    mem_capacity_bytes: int = setting(0, "budget of the memory tier; a snapshot that would exceed it is refused, never "
+                                         "an OOM (0: a quarter of the node's memory)", "bytes")
+    replication_bandwidth_mb_s: float = setting(0.0, "bandwidth cap of memory snapshot replication to the buddy "
+                                                     "(0: none)", "MB/s")
+    peer_copy_port: int = setting(0, "TCP port of the fast peer copy path (shard copies for other nodes' restores, "
+                                     "AES-GCM under a one-time key sent over mTLS); 0: any free port, -1: off "
+                                     "(gRPC streams only)", "port")
     train_cmd: str = setting("", "training script and its arguments, run under torchrun with the ftd rendezvous "
                                  "while the node holds a rank (empty: the agent launches no training)")
+    launcher: str = setting("warm", "how training processes start: warm (standby workers with torch imported, "
+                                    "started by the agent: a membership change costs no new interpreter) or "
+                                    "torchrun (torchrun --rdzv-backend=ftd)")
     train_job: str = setting("train", "job id of the training (torchrun --rdzv-id)")
     nproc_per_node: int = setting(1, "training processes per node (torchrun --nproc-per-node)", "processes")
     min_nodes: int = setting(1, "the job runs only with at least this many nodes (torchrun --nnodes MIN)", "nodes")
@@ -71,7 +86,15 @@ class AgentSettings:
     peak_flops_per_gpu: float = setting(0.0, "peak FLOP/s of one GPU in the training's precision, for MFU "
                                              "(0: MFU not computed)", "FLOP/s")
     mfu_floor: float = setting(0.0, "MFU below which FtdMfuLow fires (0: no alert)", "ratio")
-    drill_token: str = setting("", "secret that authorises Kill (drills); empty disables drills on this node")
+    pki_dir: Path | None = setting(
+        None, "mutual TLS and authorization: the PKI directory holding ca.crt, nodes/<node_id>.crt|.key (the agent) "
+              "and rendezvous/<node_id>.crt|.key (its torchrun rendezvous handler) (docs/security.md); empty: "
+              "plaintext, no authorization (tests only)")
+    drill_token_file: Path | None = setting(
+        None, "optional second factor of Kill (drills): a file (mode 0600) holding a secret that ftctl drill must "
+              "send as well; with pki_dir an operator certificate alone authorises drills, without it drills need it")
+    drill_token: str = setting("", "the drill token itself, from the environment (FTD_AGENT_DRILL_TOKEN) only; prefer "
+                                   "drill_token_file")
     metrics_listen: str = setting("127.0.0.1:9402", "Prometheus /metrics address HOST:PORT (empty: disabled)")
     ready_file: Path | None = setting(None, "write {pid, node_id, address, socket, metrics} JSON here once serving")
     log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
@@ -79,6 +102,8 @@ class AgentSettings:
     def __post_init__(self) -> None:
         require(not self.node_id or valid_node_id(self.node_id), "node_id",
                 f"{self.node_id!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
+        require(not (self.drill_token and self.drill_token_file), "drill_token",
+                "set drill_token or drill_token_file, not both")
         require(self.role in ("active", "spare"), "role", f"must be active or spare, got {self.role!r}")
         try:
             parse_endpoints(self.coordinators, "coordinator endpoint")
@@ -92,6 +117,7 @@ class AgentSettings:
                 f"must be > heartbeat_interval_s ({self.heartbeat_interval_s}), got {self.coordinator_timeout_s}")
         require(self.reconnect_max_backoff_s > 0, "reconnect_max_backoff_s",
                 f"must be > 0 (got {self.reconnect_max_backoff_s})")
+        require(self.launcher in ("warm", "torchrun"), "launcher", f"must be warm or torchrun, got {self.launcher!r}")
         require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1 (got {self.nproc_per_node})")
         require(1 <= self.min_nodes <= self.max_nodes, "min_nodes",
                 f"must be in [1, max_nodes={self.max_nodes}], got {self.min_nodes}")
@@ -102,6 +128,11 @@ class AgentSettings:
         require(self.keep_per_tier >= 1, "keep_per_tier", f"must be >= 1 (got {self.keep_per_tier})")
         require(self.tier_bandwidth_mb_s >= 0, "tier_bandwidth_mb_s", f"must be >= 0 (got {self.tier_bandwidth_mb_s})")
         require(self.tiering_interval_s > 0, "tiering_interval_s", f"must be > 0 (got {self.tiering_interval_s})")
+        require(self.mem_capacity_bytes >= 0, "mem_capacity_bytes", f"must be >= 0 (got {self.mem_capacity_bytes})")
+        require(-1 <= self.peer_copy_port <= 65535, "peer_copy_port",
+                f"must be in [-1, 65535] (got {self.peer_copy_port})")
+        require(self.replication_bandwidth_mb_s >= 0, "replication_bandwidth_mb_s",
+                f"must be >= 0 (got {self.replication_bandwidth_mb_s})")
         require(not self.s3_endpoint or self.s3_endpoint.startswith(("http://", "https://")), "s3_endpoint",
                 f"must be an http(s):// URL, got {self.s3_endpoint!r}")
         require(bool(self.s3_bucket), "s3_bucket", "must not be empty")
@@ -132,12 +163,22 @@ class AgentSettings:
         return self.host or socket.gethostname()
 
     @property
+    def identity(self) -> IdentityFiles | None:
+        """This agent's certificate files (``None``: plaintext gRPC)."""
+        return IdentityFiles(self.pki_dir, "node", self.effective_node_id) if self.pki_dir is not None else None
+
+    @property
     def effective_socket(self) -> Path:
         return self.socket_path or self.workdir / "agent.sock"
 
     @property
     def tiers(self) -> dict[str, Path]:
         return {"ssd": self.ssd_dir or self.workdir / "ssd", "hdd": self.hdd_dir or self.workdir / "hdd"}
+
+    @property
+    def mem_path(self) -> Path:
+        """The memory tier's directory (``mem_tier`` on)."""
+        return self.mem_dir or DEFAULT_ROOT / self.effective_node_id
 
     @property
     def preemption(self) -> PreemptionConfig:
@@ -154,10 +195,13 @@ class AgentSettings:
     def tier_specs(self) -> list[TierSpec]:
         """This node's tiers, fastest first, with every setting: the agent opens them and sends the
         same specs to the training process (``GetTiers``). Local copies of S3 objects (a restore from
-        the cold tier) are spooled on the SSD tier, the disk sized for checkpoints."""
+        the cold tier) are spooled on the SSD tier, the disk sized for checkpoints. The memory tier,
+        when on, comes first (node-local, with its byte budget)."""
         node = self.effective_node_id
-        specs = [TierSpec("ssd", node, LocalSpec(self.tiers["ssd"])),
-                 TierSpec("hdd", "shared" if self.hdd_shared else node, LocalSpec(self.tiers["hdd"]))]
+        specs = [TierSpec("mem", node, LocalSpec(self.mem_path, self.mem_capacity_bytes or default_capacity()))
+                 ] if self.mem_tier else []
+        specs += [TierSpec("ssd", node, LocalSpec(self.tiers["ssd"])),
+                  TierSpec("hdd", "shared" if self.hdd_shared else node, LocalSpec(self.tiers["hdd"]))]
         if self.s3_endpoint:
             specs.append(TierSpec("s3", "s3", S3Spec(
                 endpoint=self.s3_endpoint, bucket=self.s3_bucket, prefix=self.s3_prefix, region=self.s3_region,

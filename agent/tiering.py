@@ -9,6 +9,12 @@ half-way is an unpublished staging folder (cleaned), an upload to S3 resumes fro
 Responsibility for a shard on a shared tier (a shared HDD mount, S3) lies with the node that holds
 the shard on its own SSD — the node that currently owns that rank — so no two agents migrate or
 delete the same shard.
+
+The memory tier (``mem``, when the node has one) is no migration source or target: memory snapshots
+are written by the training process and replicated to the buddy by :mod:`.replicator`; a durable
+checkpoint reaches the SSD from the training process itself. Here it only gets retention (at most
+:data:`~ftd.checkpoints.catalog.MEM_KEEP` restorable steps per rank) and the cleanup of interrupted
+writes.
 """
 
 from __future__ import annotations
@@ -109,16 +115,20 @@ class Tiering:
         self,
         tiers: list[Tier],
         catalog: Callable[[str, Any], Any],  # (method, request) -> response, on the coordinator
-        keep: int = 3,
+        keep: int | Mapping[str, int] = 3,  # per tier: a number for every durable tier, or tier -> number
         bandwidth_bytes_s: float = 0.0,
         interval_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         stale_after_s: float = 3600.0,
     ) -> None:
-        if not tiers or tiers[0].name != "ssd":
-            raise ValueError("the first tier must be the node's SSD (hot) tier")
-        self.tiers = tiers
+        durable = [t for t in tiers if t.name != rules.MEMORY]
+        if not durable or durable[0].name != "ssd":
+            raise ValueError("the first tier after the memory tier must be the node's SSD (hot) tier")
+        self.tiers = tiers  # every tier of the node, the memory tier included (peers read them all)
+        self.ssd = durable[0]
+        self.durable = durable[1:]  # migration targets, fastest first
+        self.mem = next((t for t in tiers if t.name == rules.MEMORY), None)
         self.catalog = catalog
         self.keep = keep
         self.bucket = TokenBucket(bandwidth_bytes_s, burst=max(bandwidth_bytes_s, 1 << 20))
@@ -132,6 +142,13 @@ class Tiering:
         self._last_cleanup = -1e18
         self._wake = threading.Event()
         self._lock = threading.Lock()
+
+    def keep_on(self, tier: Tier) -> int:
+        """Restorable steps kept per rank on ``tier``: the memory tier keeps at most
+        :data:`~ftd.checkpoints.catalog.MEM_KEEP`."""
+        if isinstance(self.keep, Mapping):
+            return self.keep.get(tier.name, rules.MEM_KEEP if tier.name == rules.MEMORY else 3)
+        return min(self.keep, rules.MEM_KEEP) if tier.name == rules.MEMORY else self.keep
 
     def notify(self) -> None:
         """A shard was just committed on the SSD: start a pass now."""
@@ -150,9 +167,10 @@ class Tiering:
 
     def pass_once(self) -> None:
         with self._lock:
-            ssd = self.tiers[0]
+            ssd = self.ssd
             local = published_shards(ssd.backend)
-            jobs = sorted({job for job, _, _ in local})
+            in_memory = published_shards(self.mem.backend) if self.mem is not None else {}
+            jobs = sorted({job for job, _, _ in [*local, *in_memory]})
             records = {job: self._records(job) for job in jobs}
             if any(r is None for r in records.values()):
                 return  # without the catalog nothing is copied or deleted
@@ -166,15 +184,20 @@ class Tiering:
             now = self.clock()
             if now - self._last_cleanup >= self.cleanup_every_s:
                 self._last_cleanup = now
-                for tier in self.tiers[1:]:
+                for tier in self.durable:
                     try:  # what interrupted copies left: staging folders, abandoned multipart uploads
                         tier.backend.cleanup("", older_than_s=self.stale_after_s, marker_name=MANIFEST)
                     except StorageError as exc:
                         log.warning("cleanup of %s failed: %s", tier.name, exc)
-            for tier in self.tiers[1:]:
+                if self.mem is not None:
+                    try:  # RAM: an interrupted snapshot or replica is not left for an hour
+                        self.mem.backend.cleanup("", older_than_s=min(self.stale_after_s, 120.0), marker_name=MANIFEST)
+                    except StorageError as exc:
+                        log.warning("cleanup of %s failed: %s", self.mem.name, exc)
+            for tier in self.durable:
                 self._migrate_to(tier, local, catalog)
             for tier in self.tiers:
-                self._retain(tier, local, catalog)
+                self._retain(tier, in_memory if tier is self.mem else local, catalog)
 
     def _records(self, job: str) -> list[CheckpointRecord] | None:
         from ftd.v1 import checkpoint_pb2
@@ -204,7 +227,7 @@ class Tiering:
         newest_local = max((s for (_, s, _) in local), default=0)
         for ident, manifest in sorted(todo, key=lambda t: -t[0][1]):  # newest first: the lag that matters
             try:
-                self._copy(self.tiers[0], tier, manifest)
+                self._copy(self.ssd, tier, manifest)
             except StorageUnavailable as exc:
                 self.stats.errors[tier.name] = self.stats.errors.get(tier.name, 0) + 1
                 log.warning("tier %s unreachable, it lags until it is back: %s", tier.name, exc)
@@ -321,19 +344,20 @@ class Tiering:
         return True, "", total
 
     def _retain(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Catalog) -> None:
-        """Per (job, rank) this node is responsible for: keep the newest ``keep`` valid steps
-        committed on this tier (see :func:`ftd.checkpoints.catalog.retention`)."""
+        """Per (job, rank) this node is responsible for: keep the newest ``keep`` restorable steps
+        committed on this tier (see :func:`ftd.checkpoints.catalog.retention`). ``local``: what is
+        published on the SSD (on the memory tier: what is published there)."""
         mine = {(j, r) for (j, _, r) in local}
-        here = local if tier is self.tiers[0] else published_shards(tier.backend)
+        here = local if tier is self.ssd or tier is self.mem else published_shards(tier.backend)
         by_rank: dict[tuple[str, int], dict[int, ShardManifest]] = {}
         for (job, step, rank), manifest in here.items():
             if tier.shared and (job, rank) not in mine:
                 continue  # another node owns that rank now
             by_rank.setdefault((job, rank), {})[step] = manifest
         for (job, rank), steps in by_rank.items():
-            valid = {s: rec.valid for s in steps if (rec := catalog.get((job, s))) is not None}
+            valid = {s: rec.restorable for s in steps if (rec := catalog.get((job, s))) is not None}
             on_tier = {s: True for s in steps}
-            for deletion in rules.retention(on_tier, valid, self.keep):
+            for deletion in rules.retention(on_tier, valid, self.keep_on(tier)):
                 prefix = shard_prefix(job, deletion.step, rank)
                 log.info("retention on %s: deleting %s (%s)", tier.name, prefix, deletion.reason)
                 tier.backend.delete_prefix(prefix, marker_name=MANIFEST)

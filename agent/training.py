@@ -48,6 +48,7 @@ class TrainSpec:
     log_path: Path
     hang_timeout_s: float
     hang_startup_grace_s: float
+    pki_dir: Path | None = None  # mTLS: handed to torchrun as FTD_PKI_DIR
 
     def argv(self) -> list[str]:
         return [
@@ -61,8 +62,14 @@ class TrainSpec:
         ]
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "FTD_AGENT_SOCKET": str(self.socket), "FTD_NODE_ID": self.node_id,
-                "FTD_JOB": self.job, "FTD_HOST": self.host, "PYTHONUNBUFFERED": "1"}
+        """torchrun's environment: the agent's socket, the node, and with mTLS the PKI directory (the
+        ftd rendezvous handler uses its ``rendezvous/<node_id>`` certificate from there)."""
+        env = {**os.environ, "FTD_AGENT_SOCKET": str(self.socket), "FTD_NODE_ID": self.node_id,
+               "FTD_JOB": self.job, "FTD_HOST": self.host, "PYTHONUNBUFFERED": "1"}
+        env.pop("FTD_PKI_DIR", None)
+        if self.pki_dir is not None:
+            env["FTD_PKI_DIR"] = str(self.pki_dir)
+        return env
 
 
 # ---- processes -------------------------------------------------------------------------------------
@@ -235,20 +242,7 @@ class TrainingSupervisor:
     def tick(self) -> None:
         """Called about once a second by the agent's main loop."""
         with self._lock:
-            if self.proc is not None and self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.proc = None
-                if code == 0:
-                    self.finished = True
-                    log.warning("job %s finished on this node (torchrun exited 0)", self.spec.job)
-                else:
-                    self._failures += 1
-                    self._next_launch = self.clock() + min(30.0, 0.5 * 2 ** (self._failures - 1))
-                    log.error("torchrun exited with code %s; see %s", code, self.spec.log_path)
-                    self.closed = self._closed()
-            if (self.active and not self._running() and not self.finished and not self.closed
-                    and self.clock() >= self._next_launch):
-                self._launch()
+            if self._supervise():
                 return
             if not self._running() or self._hang_reported or not self.in_world:
                 return
@@ -267,3 +261,22 @@ class TrainingSupervisor:
         if verdict == "culprit":
             with self._lock:
                 self.abort_workers(f"hung: {why}")
+
+    def _supervise(self) -> bool:
+        """torchrun's exit and (re)launch; True when it was just launched (no hang check this tick)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            self.proc = None
+            if code == 0:
+                self.finished = True
+                log.warning("job %s finished on this node (torchrun exited 0)", self.spec.job)
+            else:
+                self._failures += 1
+                self._next_launch = self.clock() + min(30.0, 0.5 * 2 ** (self._failures - 1))
+                log.error("torchrun exited with code %s; see %s", code, self.spec.log_path)
+                self.closed = self._closed()
+        if (self.active and not self._running() and not self.finished and not self.closed
+                and self.clock() >= self._next_launch):
+            self._launch()
+            return True
+        return False

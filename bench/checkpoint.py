@@ -12,18 +12,32 @@ one disk; on a real node they do not).
 Prints {"size_bytes", "dd_write_gbps", "dd_read_gbps", "torch_save_fsync_s", "dcp_save_s",
 "dcp_async_blocked_s", "ftd_save_blocked_s", "ftd_save_total_s", "ftd_restore_ssd_s",
 "ftd_restore_s3_s", ...} plus the derived ratios the targets are stated in.
+
+The memory tier (``--memory-only`` for just these): a second cluster whose node directories are on
+tmpfs (``--mem-dir``, default /dev/shm) with node-0 (rack r0), node-1 (r1) and a spare. Per round:
+a memory snapshot on node-0 (``mem_snapshot_blocked_s``: the training loop's stall;
+``mem_write_commit_s``: torch.save into the memory tier, CRC32C, publish, commit), its replication to
+node-1 (``mem_replication_s``/``_gbps``: from the commit until node-1 recorded its copy, polled), raw
+loopback TCP of the same bytes (``tcp_loopback_gbps``: a plain socket into a buffer touched
+beforehand; ``tcp_loopback_fresh_gbps``: into memory mapped as the bytes come), and a restore by the
+spare, which holds no copy, from node-0's memory (``mem_restore_peer_s``/``_gbps``: catalog, the
+agent's pull over the fast peer copy path, load; ``mem_restore_peer_vs_tcp``: the ratio per round,
+median).
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +140,7 @@ def start_moto(work: Path) -> tuple[subprocess.Popen[bytes], str]:
 
     s3 = boto3.client("s3", endpoint_url=url, aws_access_key_id="testing", aws_secret_access_key="testing",
                       region_name="us-east-1")
-    wait_for(lambda: s3.list_buckets() is not None, 30, "moto server")
+    wait_for(lambda: s3.list_buckets() is not None, 30, "moto server", not_yet=(Exception,))  # still starting
     s3.create_bucket(Bucket="ftd-bench")
     return proc, url
 
@@ -137,15 +151,55 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir on /tmp's disk)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; every figure is the median of its rounds")
     ap.add_argument("--no-s3", action="store_true", help="skip the cold tier")
+    ap.add_argument("--memory-only", action="store_true", help="only the memory tier's figures")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory tier's figures")
+    ap.add_argument("--mem-dir", type=Path, default=Path("/dev/shm"),
+                    help="a tmpfs where the memory tier's cluster runs (its nodes' memory tiers)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    work = Path(tempfile.mkdtemp(prefix="ftd-bench-ckpt-", dir=args.dir))
     state = make_state(int(args.size_gib * (1 << 30)))
     size_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
-    gb = size_bytes / 1e9
+    rounds: dict[str, list[float]] = {}
 
+    def record(name: str, value: float) -> None:
+        rounds.setdefault(name, []).append(value)
+
+    if not args.memory_only:
+        disk_figures(args, state, size_bytes, record)
+    if not args.no_memory:
+        memory_figures(args, state, record)
+    out: dict[str, Any] = {"size_bytes": size_bytes, "rounds": args.repeat}
+    out.update({k: statistics.median(v) for k, v in rounds.items()})
+    gb = size_bytes / 1e9
+    targets: dict[str, bool] = {}
+    if not args.memory_only:
+        out["ftd_persist_gbps"] = gb / out["ftd_persist_s"]
+        out["ftd_restore_ssd_gbps"] = gb / out["ftd_restore_ssd_s"]
+        out["blocked_vs_torch_save"] = out["ftd_save_blocked_s"] / out["torch_save_fsync_s"]
+        out["persist_vs_dd_write"] = out["ftd_persist_gbps"] / out["dd_write_gbps"]
+        out["restore_ssd_vs_dd_read"] = out["ftd_restore_ssd_gbps"] / out["dd_read_gbps"]
+        targets.update({"blocked<=10%": out["blocked_vs_torch_save"] <= 0.10,
+                        "persist>=80%dd": out["persist_vs_dd_write"] >= 0.8,
+                        "restore>=80%dd": out["restore_ssd_vs_dd_read"] >= 0.8})
+    if not args.no_memory:
+        # Ratios per round (TCP and the restore measured back to back), then their median.
+        out["mem_restore_peer_vs_tcp"] = statistics.median(
+            r / t for r, t in zip(rounds["mem_restore_peer_gbps"], rounds["tcp_loopback_gbps"], strict=True))
+        out["mem_restore_peer_vs_tcp_fresh"] = statistics.median(
+            r / t for r, t in zip(rounds["mem_restore_peer_gbps"], rounds["tcp_loopback_fresh_gbps"], strict=True))
+        out["mem_replication_vs_tcp"] = statistics.median(
+            r / t for r, t in zip(rounds["mem_replication_gbps"], rounds["tcp_loopback_gbps"], strict=True))
+        targets["restore_peer_memory>=70%tcp"] = out["mem_restore_peer_vs_tcp"] >= 0.7
+    out["targets_met"] = targets
+    out["spread"] = {k: [round(x, 3) for x in v] for k, v in rounds.items()}
+    emit(out, args.json)
+
+
+def disk_figures(args: argparse.Namespace, state: dict[str, Any], size_bytes: int,
+                 record: Callable[[str, float], None]) -> None:
+    """ftd's save and restore on disk next to dd, torch.save and DCP (one node: SSD, HDD, S3)."""
     from ftd.checkpoints.catalog import from_info
     from ftd.coordinator.client import CoordinatorClient
     from ftd.ftctl.localcluster import stop, up
@@ -153,14 +207,11 @@ def main() -> None:
     from ftd.training import Checkpointer
     from ftd.v1 import checkpoint_pb2
 
+    work = Path(tempfile.mkdtemp(prefix="ftd-bench-ckpt-", dir=args.dir))
     moto, url = (None, "") if args.no_s3 else start_moto(work)
     cluster = up(work / "cluster", nodes=1, spares=0, s3_endpoint=url, s3_bucket="ftd-bench",
                  extra_agent_args=["--tiering-interval-s", "0.5"])
-    client = CoordinatorClient(cluster.coordinator_endpoints)
-    rounds: dict[str, list[float]] = {}
-
-    def record(name: str, value: float) -> None:
-        rounds.setdefault(name, []).append(value)
+    client = CoordinatorClient(cluster.coordinator_endpoints, tls=cluster.operator)
 
     def settled(step: int) -> Any:
         """Background tiering of ``step`` finished: no migration competes with the timed runs."""
@@ -205,8 +256,8 @@ def main() -> None:
             if not args.no_s3:
                 s3 = next(tier for tier in ck.tiers if tier.name == "s3")
                 t = time.perf_counter()
-                record = from_info(info)
-                state2 = ck._read(s3, record, record.shards[0], "cpu", None, True)
+                rec = from_info(info)
+                state2 = ck._read(s3, rec, rec.shards[0], "cpu", None, True)
                 record("ftd_restore_s3_s", time.perf_counter() - t)
                 del state2
         ck.close()
@@ -217,18 +268,112 @@ def main() -> None:
             moto.kill()
             moto.wait()
         shutil.rmtree(work, ignore_errors=True)
-    out: dict[str, Any] = {"size_bytes": size_bytes, "rounds": args.repeat}
-    out.update({k: statistics.median(v) for k, v in rounds.items()})
-    out["ftd_persist_gbps"] = gb / out["ftd_persist_s"]
-    out["ftd_restore_ssd_gbps"] = gb / out["ftd_restore_ssd_s"]
-    out["blocked_vs_torch_save"] = out["ftd_save_blocked_s"] / out["torch_save_fsync_s"]
-    out["persist_vs_dd_write"] = out["ftd_persist_gbps"] / out["dd_write_gbps"]
-    out["restore_ssd_vs_dd_read"] = out["ftd_restore_ssd_gbps"] / out["dd_read_gbps"]
-    out["targets_met"] = {"blocked<=10%": out["blocked_vs_torch_save"] <= 0.10,
-                          "persist>=80%dd": out["persist_vs_dd_write"] >= 0.8,
-                          "restore>=80%dd": out["restore_ssd_vs_dd_read"] >= 0.8}
-    out["spread"] = {k: [round(x, 3) for x in v] for k, v in rounds.items()}
-    emit(out, args.json)
+
+
+# ---- the memory tier -------------------------------------------------------------------------------------
+
+_TCP_SENDER = """
+import socket, sys
+data = memoryview(open(sys.argv[1], "rb").read())
+with socket.create_connection(("127.0.0.1", int(sys.argv[2]))) as s:
+    for i in range(0, len(data), 1 << 20):
+        s.sendall(data[i:i + (1 << 20)])
+"""
+
+
+def tcp_loopback_gbps(path: Path, fresh: bool = False) -> float:
+    """Raw loopback TCP of the same bytes: another process sends the file's bytes (read into its memory
+    first, untimed) over a plain socket; this one receives them, from accept to the last byte, into a
+    buffer allocated and touched beforehand (the network's ceiling) or, ``fresh``, into memory mapped
+    when the bytes come (what any restore pays: its bytes land in memory it did not hold before)."""
+    size = path.stat().st_size
+    buf: Any = None if fresh else bytearray(size)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        sender = subprocess.Popen([sys.executable, "-c", _TCP_SENDER, str(path), str(srv.getsockname()[1])])
+        conn, _ = srv.accept()
+        started = time.perf_counter()
+        if buf is None:
+            buf = mmap.mmap(-1, size)
+        view = memoryview(buf)
+        got = 0
+        with conn:
+            while got < size:
+                n = conn.recv_into(view[got:got + (1 << 20)])
+                if not n:
+                    break
+                got += n
+        took = time.perf_counter() - started
+        view.release()
+    sender.wait()
+    assert got == size, f"received {got} of {size} bytes"
+    return size / took / 1e9
+
+
+def memory_figures(args: argparse.Namespace, state: dict[str, Any], record: Callable[[str, float], None]) -> None:
+    """The memory tier on a cluster whose node directories are on tmpfs: node-0 (rack r0) snapshots,
+    its agent replicates to node-1 (r1); the spare node-2, holding no copy, restores from a peer's
+    memory (FetchShard: its agent pulls the copy over gRPC with mTLS); raw loopback TCP of the same
+    bytes in the same rounds."""
+    from ftd.ftctl.localcluster import stop, up
+    from ftd.testing import wait_for
+    from ftd.training import Checkpointer
+    from ftd.training.cadence import CadencePolicy
+    from ftd.v1 import checkpoint_pb2
+
+    work = Path(tempfile.mkdtemp(prefix="ftd-bench-mem-", dir=args.mem_dir))
+    cluster = up(work / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False,
+                 extra_agent_args=["--tiering-interval-s", "5"])
+    client = cluster.client()
+    sockets = {a.name: a.info["socket"] for a in cluster.agents}
+    mem0 = Path(next(a for a in cluster.agents if a.name == "node-0").info["workdir"]) / "mem"
+
+    def copies(step: int) -> set[str]:
+        infos = client.call("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job="bench-mem"),
+                            idempotent=True).checkpoints
+        info = next((i for i in infos if i.step == step), None)
+        return {f"{c.tier}@{c.location}" for s in (info.shards if info else []) for c in s.copies}
+
+    try:
+        ck = Checkpointer("bench-mem", rank=0, world_size=1, agent_socket=sockets["node-0"],
+                          install_signal_handlers=False, cadence=CadencePolicy())
+        first = ck.save(1, state, memory=True, durable=False).result()  # maps the snapshot buffers
+        assert first.ok, first
+        wait_for(lambda: "mem@node-1" in copies(1), 300, "step 1 replicated", interval_s=0.05)
+        for r in range(args.repeat):
+            step = 2 + r
+            t = time.perf_counter()
+            result = ck.save(step, state, memory=True, durable=False).result()
+            assert result.ok, result
+            record("mem_snapshot_blocked_s", result.blocked_s)
+            record("mem_write_commit_s", result.persist_s)  # torch.save into tmpfs + CRC32C + publish + commit
+            wait_for(lambda: "mem@node-1" in copies(step), 300, f"step {step} replicated",  # noqa: B023
+                     interval_s=0.01)
+            replicated_s = time.perf_counter() - t - result.blocked_s - result.persist_s
+            record("mem_replication_s", replicated_s)  # from the commit to the buddy's record (polled)
+            record("mem_replication_gbps", result.bytes / replicated_s / 1e9)
+            shard = mem0 / "bench-mem" / f"step-{step:012d}" / "rank-00000" / "state.pt"
+            record("tcp_loopback_gbps", tcp_loopback_gbps(shard))
+            record("tcp_loopback_fresh_gbps", tcp_loopback_gbps(shard, fresh=True))
+            spare = Checkpointer("bench-mem", rank=0, world_size=1, agent_socket=sockets["node-2"],
+                                 install_signal_handlers=False)
+            t = time.perf_counter()
+            loaded = spare.load_latest()
+            took = time.perf_counter() - t
+            assert loaded is not None and loaded[0] == step and "pulled" in spare.restored_from, spare.restored_from
+            record("mem_restore_peer_s", took)  # catalog + pull (gRPC, mTLS) + CRC32C check + load (mmap)
+            record("mem_restore_peer_gbps", result.bytes / took / 1e9)
+            t = time.perf_counter()
+            touch(loaded[1])
+            record("mem_restore_peer_touch_s", time.perf_counter() - t)
+            del loaded
+            spare.close()
+        ck.close()
+    finally:
+        client.close()
+        stop(cluster)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

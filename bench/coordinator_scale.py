@@ -2,6 +2,7 @@
 a real coordinator process.
 
     python bench/coordinator_scale.py --agents 1000 --duration 30 [--agents 2000,5000 ...] [--json]
+    python bench/coordinator_scale.py --agents 1000 --duration 10 --compare-tls   # plaintext, then mTLS
 
 Simulated agents run as asyncio tasks in ``--procs`` worker processes: each registers (1 % as
 spares), opens a heartbeat stream and sends at ``--hz``. During the measured window ``--kills``
@@ -11,6 +12,12 @@ time minus the death time (same host clock). Any other node declared dead is a f
 
 Prints, per N: {"agents", "heartbeat_hz", "p99_detection_s", "false_positives", "etcd_writes_per_s",
 "coordinator_cpu_pct", "tick_p99_ms", ...}.
+
+``--tls``: the coordinator serves mutual TLS with the authorization table enforced (every heartbeat
+message is checked), and every simulated agent has its own ``node/<id>`` certificate of a fresh PKI and
+its own channel, as real agents do. ``--compare-tls`` runs each N plaintext and then with ``--tls`` in
+the same invocation, both with one channel per agent, and adds the relative cost
+(``tls_cpu_us_per_heartbeat_ratio``). The etcd is plaintext in both: heartbeats never touch it.
 """
 
 from __future__ import annotations
@@ -29,22 +36,44 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from ftd import pki, rpc
 from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import _spawn, _wait_file
 from ftd.v1 import cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from _common import cpu_seconds, delta, emit, percentile, scrape
 
+CLUSTER = "bench"
+_OPTIONS = [("grpc.max_concurrent_streams", 100_000)]
+
 
 async def _agents(endpoint: str, ids: list[str], spares: set[str], hz: float, start_at: float, kill_at: float,
-                  victims: dict[str, str], stop_at: float, out: Any) -> None:
-    channel = aio.insecure_channel(endpoint, options=[("grpc.max_concurrent_streams", 100_000)])
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                  victims: dict[str, str], stop_at: float, out: Any, pki_dir: str | None = None,
+                  per_agent: bool = False) -> None:
+    shared = aio.insecure_channel(endpoint, options=_OPTIONS)
+    channels: list[aio.Channel] = [shared]
     died: dict[str, float] = {}
     errors = 0
+    kinds: dict[str, int] = {}
+
+    def count(phase: str, exc: BaseException) -> None:
+        nonlocal errors
+        errors += 1
+        code = rpc.rpc_code(exc)
+        key = f"{phase}:{code.name if code else type(exc).__name__}"
+        if key not in kinds:  # the first of each kind, with its details
+            print(f"simulated agent {phase} failed: {rpc.describe(exc)}", file=sys.stderr)
+        kinds[key] = kinds.get(key, 0) + 1
+
+    def stub_for(node_id: str) -> coordinator_pb2_grpc.CoordinatorStub:
+        if not per_agent and pki_dir is None:
+            return coordinator_pb2_grpc.CoordinatorStub(shared)
+        tls = pki.IdentityFiles(Path(pki_dir), "node", node_id) if pki_dir is not None else None
+        channels.append(rpc.aio_channel(endpoint, _OPTIONS, tls=tls))
+        return coordinator_pb2_grpc.CoordinatorStub(channels[-1])
 
     async def one(node_id: str) -> None:
-        nonlocal errors
+        stub = stub_for(node_id)
         inc = f"sim-{node_id}"
         role = cluster_pb2.ROLE_SPARE if node_id in spares else cluster_pb2.ROLE_ACTIVE
         for _ in range(20):
@@ -53,8 +82,8 @@ async def _agents(endpoint: str, ids: list[str], spares: set[str], hz: float, st
                     node_id=node_id, host="127.0.0.1", role=role, agent_address="127.0.0.1:1", pid=1,
                     incarnation=inc), timeout=30)
                 break
-            except grpc.RpcError:
-                errors += 1
+            except grpc.RpcError as exc:
+                count("register", exc)
                 await asyncio.sleep(0.5)
         await asyncio.sleep(random.random() / hz)  # spread the phases; heartbeat from registration on
         call = stub.Heartbeat()
@@ -82,32 +111,45 @@ async def _agents(endpoint: str, ids: list[str], spares: set[str], hz: float, st
                 await call.write(coordinator_pb2.HeartbeatRequest(node_id=node_id, incarnation=inc, seq=seq,
                                                                   known_epoch=0))
                 await asyncio.sleep(1.0 / hz)
-        except (grpc.RpcError, asyncio.CancelledError):
-            errors += 1
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            count("heartbeat", exc)
         finally:
             reader.cancel()
             if not call.done():
                 call.cancel()
 
     await asyncio.gather(*(one(n) for n in ids))
-    await channel.close()
-    out.put({"died": died, "errors": errors})
+    for channel in channels:
+        await channel.close()
+    out.put({"died": died, "errors": errors, "kinds": kinds})
 
 
 def _worker(*args: Any) -> None:
     asyncio.run(_agents(*args))
 
 
-def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Path) -> dict[str, Any]:
-    etcd = EtcdCluster(work / f"etcd-{n}", size=1).start()
-    ready = work / f"coord-{n}.json"
-    log = work / f"coord-{n}.log"
+def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Path, tls: bool = False,
+            per_agent: bool = False) -> dict[str, Any]:
+    mode = "tls" if tls else "plaintext"
+    ids = [f"sim-{i:05d}" for i in range(n)]
+    pki_dir: Path | None = None
+    tls_args: list[str] = []
+    if tls:
+        pki_dir = work / f"pki-{n}"
+        pki.bootstrap(pki_dir, CLUSTER, nodes=(), coordinators=["c0"])
+        for node_id in ids:
+            if not pki.paths(pki_dir, "node", node_id)[0].exists():
+                pki.issue(pki_dir, "node", node_id)
+        tls_args = ["--pki-dir", str(pki_dir), "--replica-id", "c0", "--cluster", CLUSTER]
+    etcd = EtcdCluster(work / f"etcd-{n}-{mode}", size=1).start()
+    ready = work / f"coord-{n}-{mode}.json"
+    log = work / f"coord-{n}-{mode}.log"
     coord = _spawn([sys.executable, "-m", "ftd.coordinator.main", "--etcd-endpoints", etcd.endpoints,
                     "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready),
-                    "--log-level", "WARNING", "--failover-grace-s", "2"], log)
+                    "--log-level", "WARNING", "--failover-grace-s", "2", *tls_args], log)
+    operator = pki.IdentityFiles(pki_dir, "operator", pki.DEFAULT_OPERATOR) if pki_dir is not None else None
     try:
         info = _wait_file(ready, coord, time.monotonic() + 30, log)
-        ids = [f"sim-{i:05d}" for i in range(n)]
         spares = set(ids[:: 100])
         candidates = [i for i in ids if i not in spares]
         chosen = random.sample(candidates, min(kills, len(candidates)))
@@ -118,14 +160,16 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
         stop_at = start_at + 5.0 + duration
         queue: Any = mp.Queue()
         workers = [mp.Process(target=_worker, args=(info["address"], ids[i::procs], spares, hz, start_at, kill_at,
-                                                     victims, stop_at, queue)) for i in range(procs)]
+                                                     victims, stop_at, queue,
+                                                     str(pki_dir) if pki_dir is not None else None, per_agent))
+                   for i in range(procs)]
         for w in workers:
             w.start()
         time.sleep(max(0.0, start_at + 5.0 - time.time()))  # all streams up, steady state
         m0, c0, t0 = scrape(info["metrics"]), cpu_seconds(coord.pid), time.monotonic()
         time.sleep(max(0.0, stop_at - time.time() - 0.5))
         m1, c1, t1 = scrape(info["metrics"]), cpu_seconds(coord.pid), time.monotonic()
-        events = _events(info["address"])  # before the simulated agents stop (then all would die)
+        events = _events(info["address"], operator)  # before the simulated agents stop (then all would die)
         results = [queue.get(timeout=120) for _ in workers]
         for w in workers:
             w.join(timeout=30)
@@ -142,7 +186,9 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
         ticks = delta(m0, m1, "ftd_coordinator_tick_duration_seconds_count")
         tick_sum = delta(m0, m1, "ftd_coordinator_tick_duration_seconds_sum")
         return {
-            "agents": n, "target_hz": hz, "heartbeat_hz": round(hb / window, 1),
+            "agents": n, "transport": "mTLS + authorization" if tls else "plaintext",
+            "channels": "one per agent" if per_agent or tls else "one per process",
+            "target_hz": hz, "heartbeat_hz": round(hb / window, 1),
             "heartbeat_ratio": round(hb / window / (n * hz), 3),
             "p50_detection_s": _r(percentile(latencies, 50)), "p99_detection_s": _r(percentile(latencies, 99)),
             "detected": len(latencies), "missed": len(missed), "false_positives": len(false_pos),
@@ -152,6 +198,8 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
             "tick_mean_ms": round(1000 * tick_sum / ticks, 2) if ticks else None,
             "stalls": m1.get("ftd_coordinator_detector_stalls_total", 0),
             "sim_errors": sum(r["errors"] for r in results),
+            "sim_error_kinds": _merged([r["kinds"] for r in results]),
+            "rpc_denied": delta(m0, m1, "ftd_coordinator_rpc_denied_total"),
         }
     finally:
         coord.terminate()
@@ -159,10 +207,18 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
         etcd.stop()
 
 
-def _events(address: str) -> list[Any]:
-    with grpc.insecure_channel(address) as ch:
+def _events(address: str, tls: pki.IdentityFiles | None) -> list[Any]:
+    with rpc.channel(address, tls=tls) as ch:
         return list(coordinator_pb2_grpc.CoordinatorStub(ch).ListEvents(
             coordinator_pb2.ListEventsRequest(limit=1000), timeout=30).events)
+
+
+def _merged(counts: list[dict[str, int]]) -> str:
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return ",".join(f"{k}={v}" for k, v in sorted(total.items())) or "-"
 
 
 def _r(x: float | None) -> float | None:
@@ -176,16 +232,35 @@ def main() -> None:
     ap.add_argument("--hz", type=float, default=1.0, help="heartbeats per agent per second")
     ap.add_argument("--procs", type=int, default=2, help="processes simulating agents")
     ap.add_argument("--kills", type=int, default=10, help="agents that die during the window")
+    ap.add_argument("--tls", action="store_true", help="mTLS + authorization, a certificate per simulated agent")
+    ap.add_argument("--compare-tls", action="store_true",
+                    help="run each N plaintext and then with --tls, one channel per agent in both")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-scale-"))
     results = []
+    modes = [False, True] if args.compare_tls else [args.tls]
     for n in (int(x) for x in args.agents.split(",")):
-        r = run_one(n, args.duration, args.hz, args.procs, args.kills, work)
-        results.append(r)
-        if not args.json:
-            emit(r, False)
-            print(flush=True)
+        pair = []
+        for tls in modes:
+            r = run_one(n, args.duration, args.hz, args.procs, args.kills, work, tls=tls,
+                        per_agent=args.compare_tls)
+            pair.append(r)
+            results.append(r)
+            if not args.json:
+                emit(r, False)
+                print(flush=True)
+        if len(pair) == 2:
+            plain, secure = pair
+            cost = {"agents": n, "comparison": "mTLS / plaintext"}
+            for key in ("coordinator_cpu_pct", "coordinator_cpu_us_per_heartbeat", "heartbeat_hz",
+                        "p99_detection_s"):
+                a, b = plain.get(key), secure.get(key)
+                cost[f"tls_{key}_ratio"] = round(b / a, 2) if a and b else None
+            results.append(cost)
+            if not args.json:
+                emit(cost, False)
+                print(flush=True)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd import rpc
 from ftd.ftctl.localcluster import ClusterFile
 from ftd.v1 import agent_pb2, agent_pb2_grpc
 
@@ -27,8 +27,8 @@ def watch(cluster: ClusterFile, seconds: float, query_coordinator: bool = True) 
     """Samples for ``seconds`` (bounded): agents' assignments over their own gRPC endpoints, and the
     coordinator's status when ``query_coordinator``."""
     out = Watch()
-    channels = {a.name: grpc.insecure_channel(a.info["address"]) for a in cluster.agents}
-    client = CoordinatorClient(cluster.coordinator_endpoints, timeout_s=1.0)
+    channels = {a.name: rpc.channel(a.info["address"], tls=cluster.operator) for a in cluster.agents}
+    client = cluster.client(timeout_s=1.0)
     end = time.monotonic() + seconds
     last_ok = time.monotonic()
     try:

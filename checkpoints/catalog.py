@@ -13,16 +13,23 @@ status strings or building copy keys itself.
 Rules (pure functions returning a reason, tested without I/O):
 
 * :func:`commit_shard` — admit one rank's shard, refusing anything that contradicts the step;
-* :func:`restore_target` — the newest valid step;
+* :func:`restore_target` — the newest restorable step (of the restoring job's world size);
+* :func:`invalidation_loses_last` — the last restorable step of a job is never invalidated;
 * :func:`rollback` — make a step the restore target by removing the newer steps from the catalog;
-* :func:`retention` — per tier: keep the newest ``keep`` valid steps committed *there*, never delete
-  an older valid one before a newer one is committed there, never touch in-progress steps.
+* :func:`retention` — per tier: keep the newest ``keep`` restorable steps committed *there*, never
+  delete an older one before a newer one is committed there, never touch in-progress steps;
+* :func:`prune_memory` — the memory tier holds at most :data:`MEM_KEEP` snapshots per rank and node:
+  recording a newer one drops the oldest copy (and a record left without any copy).
+
+The memory tier (``mem``) is a tier like the others: a copy of rank R's shard in node B's memory is
+``CopyRef("mem", "B")``. A step is *in memory* (``on_tier("mem")``) when every rank's shard is in the
+memory of :data:`MEM_REPLICAS` nodes (its own and its buddy's).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -30,9 +37,13 @@ from ftd.v1 import checkpoint_pb2
 
 from .layout import FileEntry, ShardManifest
 
-TIERS = ("ssd", "hdd", "s3")
+TIERS = ("mem", "ssd", "hdd", "s3")  # fastest first
+MEMORY = "mem"
+MEM_REPLICAS = 2  # in memory = on the rank's node and on its buddy
+MEM_KEEP = 2  # memory snapshots held per rank on one node: the newest and the one being written
 KV_PREFIX = "ckpt/"
 INVALID = "invalid: "  # how status() starts for an invalidated step; from_info() reads it back
+UNRESTORABLE = "unrestorable: "  # valid (every shard was committed) but no good copy of some rank is left
 
 
 class CopyRef(NamedTuple):
@@ -89,6 +100,7 @@ class CheckpointRecord:
     created_unix_s: float
     shards: Mapping[int, ShardRecord] = field(default_factory=dict)
     invalid_reason: str = ""
+    cadence: str = ""  # the job's save cadence when the step was first committed (CadencePolicy.describe)
 
     @property
     def complete(self) -> bool:
@@ -103,8 +115,17 @@ class CheckpointRecord:
         return sum(s.bytes for s in self.shards.values())
 
     def on_tier(self, tier: str) -> bool:
-        """Every rank has a good copy on ``tier``."""
-        return self.complete and all(any(t == tier for t, _ in s.good_copies()) for s in self.shards.values())
+        """Every rank has a good copy on ``tier`` (on ``mem``: in the memory of :data:`MEM_REPLICAS`
+        nodes, the rank's own and its buddy's)."""
+        need = MEM_REPLICAS if tier == MEMORY else 1
+        return self.complete and all(len({loc for t, loc in s.good_copies() if t == tier}) >= need
+                                     for s in self.shards.values())
+
+    def readable(self, unreachable: Collection[str] = ()) -> bool:
+        """Restorable, counting only copies outside the ``unreachable`` locations (dead or fenced
+        nodes: their memory and disks cannot be read now)."""
+        return self.restorable and all(any(c.location not in unreachable for c in s.good_copies())
+                                       for s in self.shards.values())
 
     @property
     def restorable(self) -> bool:
@@ -121,6 +142,9 @@ class CheckpointRecord:
             return f"{INVALID}{self.invalid_reason}"
         if not self.complete:
             return f"in progress: {len(self.shards)} of {self.world_size} shards committed"
+        lost = sorted(rank for rank, s in self.shards.items() if not s.good_copies())
+        if lost:
+            return f"{UNRESTORABLE}every copy of rank(s) {', '.join(map(str, lost))} was found corrupt"
         return "valid"
 
 
@@ -136,15 +160,15 @@ class Rollback:
 
 
 def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier: str, location: str,
-                 now: float) -> tuple[CheckpointRecord, str]:
+                 now: float, cadence: str = "") -> tuple[CheckpointRecord, str]:
     """Admits one shard copy. Returns the new record and what happened; raises :class:`CatalogError`
     when the shard contradicts the step (other world size, epoch or format; other bytes for a rank
-    already committed)."""
+    already committed). ``cadence`` is kept with a new step."""
     if tier not in TIERS:
         raise CatalogError("tier", f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
     if record is None:
         record = CheckpointRecord(manifest.job, manifest.step, manifest.epoch, manifest.world_size,
-                                  manifest.format, now)
+                                  manifest.format, now, cadence=cadence)
     for name, mine, theirs in (("world_size", manifest.world_size, record.world_size),
                                ("epoch", manifest.epoch, record.epoch), ("format", manifest.format, record.format)):
         if mine != theirs:
@@ -200,17 +224,83 @@ def drop_copy(record: CheckpointRecord, rank: int, tier: str, location: str, cor
     return replace(record, shards={**record.shards, rank: shard})
 
 
-def restore_target(records: Iterable[CheckpointRecord],
-                   rollback_to: Rollback | None = None) -> tuple[CheckpointRecord | None, str]:
+def prune_memory(records: Iterable[CheckpointRecord], rank: int, location: str,
+                 keep: int = MEM_KEEP) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
+    """The memory tier at ``location`` holds at most ``keep`` snapshots of ``rank`` (of the records'
+    job): the copies of older steps are dropped, as the node itself deletes the oldest before it
+    writes a new one. Returns (records changed, records left without any copy: to delete; a memory
+    snapshot that was never made durable disappears from the catalog with its last copy)."""
+    copy = CopyRef(MEMORY, location)
+    holding = sorted((r for r in records if (s := r.shards.get(rank)) is not None and copy in s.copies),
+                     key=lambda r: r.step, reverse=True)
+    changed: list[CheckpointRecord] = []
+    removed: list[CheckpointRecord] = []
+    for record in holding[keep:]:
+        new = drop_copy(record, rank, MEMORY, location)
+        shard = new.shards[rank]
+        if copy.key in shard.bad:
+            new = replace(new, shards={**new.shards, rank: replace(shard, bad={
+                k: v for k, v in shard.bad.items() if k != copy.key})})
+        (removed if new.orphaned else changed).append(new)
+    return changed, removed
+
+
+def restore_target(records: Iterable[CheckpointRecord], rollback_to: Rollback | None = None,
+                   world_size: int = 0, unreachable: Collection[str] = ()) -> tuple[CheckpointRecord | None, str]:
     """The newest valid step that every rank can still read from some tier (a rollback removed
-    everything newer than its target)."""
-    valid = sorted((r for r in records if r.restorable), key=lambda r: r.step)
+    everything newer than its target).
+
+    With ``world_size`` (the restoring job's), steps saved with another world size are skipped, and
+    the reason names them: a shard committed with another world size (a bug, or a node lying) can
+    never send every rank to a step that has no shard for it. When no step of that size is left, the
+    newest of another size is the answer (a data-parallel job restores it with ``replicated=True``),
+    and the reason says so.
+
+    ``unreachable``: locations (dead or fenced nodes) whose copies cannot be read now; a step that
+    some rank could only read from there is skipped (a node's memory dies with it)."""
+    records = list(records)
+    valid = sorted((r for r in records if r.readable(unreachable)), key=lambda r: r.step)
     if not valid:
         return None, "no valid checkpoint: start from scratch"
+    skipped = ""
+    if world_size:
+        same = [r for r in valid if r.world_size == world_size]
+        newer = [r for r in valid if r.world_size != world_size and (not same or r.step > same[-1].step)]
+        if newer:
+            skipped = "; skipped " + ", ".join(f"step {r.step} (world size {r.world_size})" for r in newer[-3:])
+            if len(newer) > 3:
+                skipped += f" and {len(newer) - 3} more"
+        if not same:
+            newest = valid[-1]
+            return newest, (f"no restorable step was saved with world size {world_size}; the newest is step "
+                            f"{newest.step} of world size {newest.world_size} (restorable only by a replicated "
+                            f"state)")
+        valid = same
     newest = valid[-1]
+    lost = sorted(r.step for r in records if r.restorable and r.step > newest.step and not r.readable(unreachable))
+    if lost:
+        skipped += (f"; skipped step(s) {', '.join(map(str, lost[-3:]))} (a rank's copies are only on unreachable "
+                    f"nodes: {', '.join(sorted(unreachable)[:5])})")
     if rollback_to is not None and rollback_to.step == newest.step:
-        return newest, f"step {newest.step}, the rollback target"
-    return newest, f"newest valid step {newest.step}"
+        return newest, f"step {newest.step}, the rollback target{skipped}"
+    return newest, f"newest valid step {newest.step}{skipped}"
+
+
+def invalidation_loses_last(records: Iterable[CheckpointRecord], step: int) -> str:
+    """Why invalidating ``step`` is refused ("" when it is not): it is the job's only restorable step,
+    so the next restart would start from scratch. A step whose every copy was found corrupt is not
+    restorable any more and may be invalidated; so may any step while an older one is restorable."""
+    restorable = [r.step for r in records if r.restorable]
+    if restorable == [step]:
+        return (f"step {step} is the job's last restorable checkpoint; invalidating it would restart training "
+                "from scratch. Report its corrupt copies (RecordCopy corrupt_reason) or roll back instead")
+    return ""
+
+
+def restorable_steps(records: Iterable[CheckpointRecord]) -> dict[int, bool]:
+    """step → restorable: what :func:`retention`'s ``valid`` must be given (a step that is valid but
+    has no good copy left must not count as one of the kept steps)."""
+    return {r.step: r.restorable for r in records}
 
 
 def rollback(records: Iterable[CheckpointRecord], job: str, step: int,
@@ -242,9 +332,12 @@ def retention(on_tier: Mapping[int, bool], valid: Mapping[int, bool], keep: int 
 
     ``on_tier``: step → whether its shard(s) are committed on this tier (published folders seen by
     listing the tier itself, so the answer survives restarts). ``valid``: step → whether the catalog
-    says the checkpoint is valid (missing = unknown to the catalog).
+    says the checkpoint is **restorable** (:func:`restorable_steps`: valid and every rank has a copy
+    not known to be corrupt); missing = unknown to the catalog. A valid step whose copies were all
+    found corrupt must not count: keeping it instead of an older restorable one would delete the
+    last step training can restart from.
 
-    Keeps the newest ``keep`` valid steps committed on this tier. Deletes older valid steps only when
+    Keeps the newest ``keep`` restorable steps committed on this tier. Deletes older valid steps only when
     ``keep`` newer valid ones are committed here; deletes invalid or unknown steps only when they are
     older than the oldest kept valid step (newer ones may still be in progress).
     """
@@ -282,6 +375,8 @@ def encode(record: CheckpointRecord, ranks: Sequence[int] | None = None) -> dict
     """The keys to write for ``record`` (all shards, or only ``ranks``)."""
     meta = {"job": record.job, "step": record.step, "epoch": record.epoch, "world_size": record.world_size,
             "format": record.format, "created_unix_s": record.created_unix_s, "invalid_reason": record.invalid_reason}
+    if record.cadence:
+        meta["cadence"] = record.cadence
     out = {meta_key(record.job, record.step): _dump(meta)}
     for rank in record.shards if ranks is None else ranks:
         s = record.shards[rank]
@@ -317,6 +412,8 @@ def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], l
         parts = key[len(KV_PREFIX):].split("/")
         try:
             data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise TypeError(f"expected an object, got {type(data).__name__}")
             if len(parts) == 2 and parts[1] == "rollback":
                 rollbacks[parts[0]] = Rollback(data["job"], int(data["step"]), float(data["at_unix_s"]),
                                                tuple(int(s) for s in data.get("superseded", ())))
@@ -329,7 +426,7 @@ def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], l
                                 {str(k): str(v) for k, v in data.get("bad", {}).items()},
                                 float(data.get("committed_unix_s", 0.0)))
                 shards.setdefault((parts[0], int(parts[1])), {})[s.rank] = s
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             problems.append(f"catalog key {key!r} is corrupt: {type(exc).__name__}: {exc}")
             if len(parts) == 3 and parts[1].isdigit():
                 metas.setdefault((parts[0], int(parts[1])), {})["corrupt"] = key
@@ -341,9 +438,10 @@ def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], l
                 reason = f"catalog record {m['corrupt']} is corrupt"
             records[(job, step)] = CheckpointRecord(
                 job, step, int(m["epoch"]), int(m["world_size"]), str(m["format"]), float(m["created_unix_s"]),
-                shards.get((job, step), {}), reason)
-        except (ValueError, KeyError, TypeError) as exc:
-            problems.append(f"catalog step {job}/{step} has no usable meta record: {exc}")
+                shards.get((job, step), {}), reason, str(m.get("cadence", "")))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if set(m) != {"corrupt"}:  # else the corrupt key was reported already
+                problems.append(f"catalog step {job}/{step} has no usable meta record: {exc!r}")
     return records, rollbacks, problems
 
 
@@ -355,7 +453,7 @@ def to_info(record: CheckpointRecord) -> checkpoint_pb2.CheckpointInfo:
     info = checkpoint_pb2.CheckpointInfo(
         job=record.job, step=record.step, epoch=record.epoch, world_size=record.world_size, format=record.format,
         created_unix_s=record.created_unix_s, valid=record.valid, status=record.status(), bytes=record.total_bytes,
-        on_tier={t: record.on_tier(t) for t in TIERS},
+        on_tier={t: record.on_tier(t) for t in TIERS}, cadence=record.cadence,
     )
     for rank in sorted(record.shards):
         s = record.shards[rank]
@@ -380,7 +478,7 @@ def from_info(info: checkpoint_pb2.CheckpointInfo) -> CheckpointRecord:
         for s in info.shards
     }
     return CheckpointRecord(info.job, info.step, info.epoch, info.world_size, info.format, info.created_unix_s,
-                            shards, reason)
+                            shards, reason, info.cadence)
 
 
 def _dump(data: Any) -> bytes:

@@ -19,10 +19,11 @@ from typing import Any
 
 MANIFEST = "SHARD.json"
 FORMATS = ("torch", "dcp")
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_FILE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9._-]{0,254}$")
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
-_RANK_DIR = re.compile(r"^rank-(\d{5})$")
+# Whole strings only (re.fullmatch): with re.match, "$" also matches before a final newline.
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_FILE = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9._-]{0,254}")
+_STEP_DIR = re.compile(r"step-([0-9]{12})")
+_RANK_DIR = re.compile(r"rank-([0-9]{5})")
 MAX_STEP = 10**12 - 1
 MAX_RANK = 10**5 - 1
 
@@ -44,7 +45,7 @@ class ManifestError(ValueError):
 
 
 def check_job(job: Any) -> str:
-    if not isinstance(job, str) or not _ID.match(job) or job in (".", ".."):
+    if not isinstance(job, str) or not _ID.fullmatch(job) or job in (".", ".."):
         raise BadIdentifier("job", f"{str(job)[:100]!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
     return job
 
@@ -64,7 +65,7 @@ def check_rank(rank: Any, world_size: int | None = None) -> int:
 
 
 def check_file_name(name: Any) -> str:
-    if not isinstance(name, str) or not _FILE.match(name) or name in (".", "..") or name == MANIFEST:
+    if not isinstance(name, str) or not _FILE.fullmatch(name) or name in (".", "..") or name == MANIFEST:
         raise BadIdentifier("file", f"{str(name)[:100]!r} is not a plain file name")
     return name
 
@@ -82,8 +83,8 @@ def parse_shard_key(key: str) -> tuple[str, int, int] | None:
     parts = key.split("/")
     if len(parts) < 3:
         return None
-    step_m, rank_m = _STEP_DIR.match(parts[1]), _RANK_DIR.match(parts[2])
-    if not step_m or not rank_m or not _ID.match(parts[0]):
+    step_m, rank_m = _STEP_DIR.fullmatch(parts[1]), _RANK_DIR.fullmatch(parts[2])
+    if not step_m or not rank_m or not _ID.fullmatch(parts[0]):
         return None
     return parts[0], int(step_m.group(1)), int(rank_m.group(1))
 

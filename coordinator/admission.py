@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftd import rpc
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import errors
+from . import errors, limits
 from .detector import State
-from .model import NodeRecord, Role, valid_node_id
+from .model import NodeRecord, Role
 from .view import ClusterView
 
 ROLES = {cluster_pb2.ROLE_ACTIVE: Role.ACTIVE, cluster_pb2.ROLE_SPARE: Role.SPARE}
@@ -30,32 +29,9 @@ class Admission:
 
 
 def validate_register(req: coordinator_pb2.RegisterRequest) -> None:
-    """Raises :class:`~.errors.InvalidArgument` naming the first malformed field."""
-    if not req.node_id:
-        raise errors.InvalidArgument("node_id", "is required")
-    if not valid_node_id(req.node_id):
-        raise errors.InvalidArgument(
-            "node_id", f"{req.node_id[:200]!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
-    if not req.host or len(req.host) > 253 or any(c.isspace() or c == "/" for c in req.host):
-        raise errors.InvalidArgument("host", f"{req.host[:200]!r} is not a host name or address")
-    if req.role not in ROLES:
-        raise errors.InvalidArgument("role", f"must be ROLE_ACTIVE or ROLE_SPARE, got {req.role}")
-    for key, value in req.labels.items():
-        if not key or len(key) > 63 or not valid_node_id(key):
-            raise errors.InvalidArgument("labels", f"label key {key[:80]!r} is not a valid label name")
-        if len(value) > 253:
-            raise errors.InvalidArgument("labels", f"label {key!r} value is longer than 253 characters")
-    if req.agent_address:
-        try:
-            _, port = rpc.parse_hostport(req.agent_address, "agent address")
-        except ValueError:
-            port = 0
-        if port == 0:
-            raise errors.InvalidArgument("agent_address", f"{req.agent_address[:200]!r} is not HOST:PORT")
-    if req.pid < 0:
-        raise errors.InvalidArgument("pid", f"must be >= 0, got {req.pid}")
-    if not req.incarnation or len(req.incarnation) > 64:
-        raise errors.InvalidArgument("incarnation", "is required (at most 64 characters)")
+    """Raises :class:`~.errors.InvalidArgument` naming the first malformed field (the bounds are
+    :mod:`.limits`')."""
+    limits.validate_register(req)
 
 
 def decide_registration(view: ClusterView, req: coordinator_pb2.RegisterRequest,
@@ -99,10 +75,7 @@ def decide_registration(view: ClusterView, req: coordinator_pb2.RegisterRequest,
 
 def check_heartbeat(view: ClusterView, req: coordinator_pb2.HeartbeatRequest) -> NodeRecord:
     """The registered record the first heartbeat of a stream speaks for, or why it may not."""
-    if not req.node_id:
-        raise errors.InvalidArgument("node_id", "is required")
-    if not valid_node_id(req.node_id):
-        raise errors.InvalidArgument("node_id", f"{req.node_id[:200]!r} is not a valid node id")
+    limits.validate_heartbeat(req)
     node = view.nodes.get(req.node_id)
     if node is None:
         raise errors.NodeNotFound(req.node_id)

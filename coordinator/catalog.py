@@ -10,20 +10,33 @@ keeper needs only :class:`~.leader_state.LeaderState` for that, and a wall clock
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from ftd.checkpoints import catalog as rules
-from ftd.checkpoints.layout import BadIdentifier, FileEntry, ShardManifest, check_job, check_rank, check_step
-from ftd.v1 import checkpoint_pb2
+from ftd.checkpoints.layout import (
+    MAX_RANK,
+    BadIdentifier,
+    FileEntry,
+    ShardManifest,
+    check_job,
+    check_rank,
+    check_step,
+)
+from ftd.v1 import checkpoint_pb2, cluster_pb2
 
-from . import errors
+from . import errors, limits
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
+from .view import ClusterView
 
 log = logging.getLogger("ftd.coordinator.catalog")
+MAX_JOB_SERIES = 16  # jobs with ftd_coordinator_checkpoint_* series: those with the newest valid steps
+_PAGE_TOKEN = r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,127}/[0-9]{12})?"  # "<job>/<step:012d>" of the last item
 
 
 def manifest_from_proto(m: checkpoint_pb2.ShardManifest, now: float) -> ShardManifest:
@@ -32,8 +45,10 @@ def manifest_from_proto(m: checkpoint_pb2.ShardManifest, now: float) -> ShardMan
     try:
         job = check_job(m.job)
         step = check_step(m.step)
-        if m.world_size < 1:
-            raise BadIdentifier("world_size", f"must be >= 1, got {m.world_size}")
+        if not 1 <= m.world_size <= MAX_RANK + 1:
+            raise BadIdentifier("world_size", f"must be in [1, {MAX_RANK + 1}], got {m.world_size}")
+        if not math.isfinite(m.created_unix_s) or m.created_unix_s < 0:
+            raise BadIdentifier("created_unix_s", f"must be a time >= 0, got {m.created_unix_s}")
         rank = check_rank(m.rank, m.world_size)
         if m.format not in ("torch", "dcp"):
             raise BadIdentifier("format", f"must be 'torch' or 'dcp', got {m.format[:40]!r}")
@@ -58,8 +73,10 @@ def _check(job: str, step: int) -> tuple[str, int]:
 
 class CatalogKeeper:
     def __init__(self, state: LeaderState, metrics: CoordinatorMetrics,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, limiter: limits.WriteLimiter | None = None) -> None:
         self.state = state
+        self.limiter = limiter or limits.WriteLimiter()
+        self._series: set[str] = set()  # jobs whose gauges are published
         self.metrics = metrics
         self.wall = wall
         self._lock = asyncio.Lock()
@@ -75,9 +92,12 @@ class CatalogKeeper:
             raise errors.CheckpointNotFound(job, step)
         return record
 
-    async def _save(self, kind: str, puts: Mapping[str, bytes], deletes: Sequence[str], event: tuple[str, str, str],
-                    records: Sequence[rules.CheckpointRecord], removed: Sequence[tuple[str, int]] = ()) -> None:
-        await self.state.commit(kind, events=[event], kv_puts=puts, kv_deletes=deletes)
+    async def _save(self, kind: str, puts: Mapping[str, bytes], deletes: Sequence[str],
+                    event: tuple[str, str, str] | None, records: Sequence[rules.CheckpointRecord],
+                    removed: Sequence[tuple[str, int]] = ()) -> None:
+        """``event`` None: no event line (memory snapshots come every step; the event log keeps only
+        the newest entries and must not be flooded by them)."""
+        await self.state.commit(kind, events=[event] if event is not None else [], kv_puts=puts, kv_deletes=deletes)
         view = self.state.require_leader()
         for record in records:
             view.catalog[(record.job, record.step)] = record
@@ -94,7 +114,16 @@ class CatalogKeeper:
             if record.valid:
                 valid.setdefault(job, []).append(record)
         metrics = self.metrics
-        for job, records in valid.items():
+        # Job ids come from requests: only the MAX_JOB_SERIES jobs with the newest valid steps get
+        # series, and the series of a job that drops out are removed, so their number stays bounded.
+        shown = sorted(valid, key=lambda j: max(r.created_unix_s for r in valid[j]), reverse=True)[:MAX_JOB_SERIES]
+        for job in self._series - set(shown):
+            for gauge in (metrics.last_valid_step, metrics.last_valid_time, metrics.checkpoint_interval):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(job)
+        self._series = set(shown)
+        for job in shown:
+            records = valid[job]
             records.sort(key=lambda r: r.step)
             newest = records[-1]
             metrics.last_valid_step.labels(job).set(newest.step)
@@ -105,7 +134,7 @@ class CatalogKeeper:
                 metrics.checkpoint_interval.labels(job).set(max(0.0, became_valid - before))
 
     async def _delete(self, records: Sequence[rules.CheckpointRecord], why: str,
-                      last_puts: Mapping[str, bytes] | None = None) -> None:
+                      last_puts: Mapping[str, bytes] | None = None, quiet: bool = False) -> None:
         """Deletes records in chunks that fit etcd's --max-txn-ops, metas last so a half-deleted
         record is incomplete (never valid); ``last_puts`` go with the final chunk."""
         keys = [k for r in records for k in rules.keys_of(r)[1:]] + [rules.meta_key(r.job, r.step) for r in records]
@@ -114,46 +143,77 @@ class CatalogKeeper:
             last = i == len(chunks) - 1
             gone = [(r.job, r.step) for r in records if rules.meta_key(r.job, r.step) in chunk]
             await self._save("checkpoint", (last_puts or {}) if last else {}, chunk,
-                             ("checkpoints_removed", "", why), [], gone)
+                             None if quiet else ("checkpoints_removed", "", why), [], gone)
 
     async def commit_shard(self, request: checkpoint_pb2.CommitShardRequest) -> checkpoint_pb2.CommitShardResponse:
+        limits.validate_commit_shard(request)
         manifest = manifest_from_proto(request.manifest, self.wall())
         if request.tier not in rules.TIERS:
             raise errors.InvalidArgument("tier", f"must be one of {', '.join(rules.TIERS)}, got {request.tier[:40]!r}")
-        if not request.location or "/" in request.location:
-            raise errors.InvalidArgument("location", f"{request.location[:80]!r} is not a node id or 'shared'")
+        mem = request.tier == "mem"
+        self.limiter.check("CommitShard/mem" if mem else "CommitShard", limits.shard_writer(request.location,
+                           manifest.rank), limits.MEMORY_TIER_SCALE if mem else 1.0)
         async with self._lock:
-            before = self._records().get((manifest.job, manifest.step))
+            records = self._records()
+            if manifest.job not in {j for j, _ in records} and \
+                    len({j for j, _ in records}) >= limits.MAX_CATALOG_JOBS:
+                raise errors.TooMany(f"the catalog holds checkpoints of {limits.MAX_CATALOG_JOBS} jobs already; "
+                                     f"job {manifest.job} is refused until old ones are deleted")
+            before = records.get((manifest.job, manifest.step))
+            cadence = limits.clip(limits.one_line(request.cadence), 200)
             try:
-                record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall())
+                record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall(),
+                                                  cadence)
             except rules.CatalogError as exc:
                 raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
             if before is not None and record == before:
                 return checkpoint_pb2.CommitShardResponse(checkpoint=rules.to_info(record), message="already recorded")
             puts = rules.encode(record, [manifest.rank])
-            await self._save("checkpoint", puts, (), ("shard_committed", "", f"{manifest.job} step {manifest.step}: "
-                                                      f"{what}"), [record])
+            pruned, emptied = self._memory_pruned(record, manifest.rank, request.tier, request.location)
+            for other in pruned:
+                puts.update(rules.encode(other, [manifest.rank]))
+            memory = request.tier == rules.MEMORY
+            await self._save("checkpoint", puts, (), None if memory else (
+                "shard_committed", "", f"{manifest.job} step {manifest.step}: {what}"), [record, *pruned])
+            if emptied:
+                await self._delete(emptied, f"{manifest.job}: memory snapshots of rank {manifest.rank} on "
+                                            f"{request.location} superseded", quiet=True)
             if record.valid and (before is None or not before.valid):
                 self._valid_at[(record.job, record.step)] = self.wall()
                 self.publish_gauges()
-                log.info("checkpoint %s step %d is valid (%d shards, %d bytes)", record.job, record.step,
-                         record.world_size, record.total_bytes)
+                (log.debug if memory else log.info)("checkpoint %s step %d is valid (%d shards, %d bytes)",
+                                                    record.job, record.step, record.world_size, record.total_bytes)
             return checkpoint_pb2.CommitShardResponse(checkpoint=rules.to_info(record), message=what)
+
+    def _memory_pruned(self, record: rules.CheckpointRecord, rank: int, tier: str,
+                       location: str) -> tuple[list[rules.CheckpointRecord], list[rules.CheckpointRecord]]:
+        """A memory copy recorded at ``location``: the copies of that rank's older memory snapshots
+        there are dropped (the node holds at most :data:`~ftd.checkpoints.catalog.MEM_KEEP`; it
+        deleted the oldest before writing), and records left without any copy go."""
+        if tier != rules.MEMORY:
+            return [], []
+        records = [r for key, r in self._records().items() if key[0] == record.job and key[1] != record.step]
+        return rules.prune_memory([*records, record], rank, location)
 
     async def record_copy(self, request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
         job, step = _check(request.job, request.step)
+        limits.validate_record_copy(request)
+        corrupt = limits.clip(limits.one_line(request.corrupt_reason), 500)
         if request.tier not in rules.TIERS:
             raise errors.InvalidArgument("tier", f"must be one of {', '.join(rules.TIERS)}, got {request.tier[:40]!r}")
+        mem = request.tier == "mem"
+        self.limiter.check("RecordCopy/mem" if mem else "RecordCopy", limits.shard_writer(request.location,
+                           request.rank), limits.MEMORY_TIER_SCALE if mem else 1.0)
         async with self._lock:
             record = self._get(job, step)
             if request.rank not in record.shards:
                 raise errors.CheckpointNotFound(job, step, request.rank)
             shard = record.shards[request.rank]
             copy = (request.tier, request.location)
-            if request.corrupt_reason:
-                new = rules.drop_copy(record, request.rank, request.tier, request.location, request.corrupt_reason)
-                what = (f"rank {request.rank} copy on {rules.CopyRef(request.tier, request.location)} is corrupt: "
-                        f"{request.corrupt_reason}")
+            if corrupt:
+                new = rules.drop_copy(record, request.rank, request.tier, request.location, corrupt)
+                where = rules.CopyRef(request.tier, request.location)
+                what = f"rank {request.rank} copy on {where} is corrupt: {corrupt}"
             elif request.present:
                 try:
                     new = rules.add_copy(record, request.rank, request.tier, request.location)
@@ -163,40 +223,74 @@ class CatalogKeeper:
             else:
                 new = rules.drop_copy(record, request.rank, request.tier, request.location)
                 what = f"rank {request.rank} copy on {rules.CopyRef(request.tier, request.location)} deleted"
-            if new == record or (not request.present and not request.corrupt_reason and copy not in shard.copies):
+            if new == record or (not request.present and not corrupt and copy not in shard.copies):
                 return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(record))
             if new.orphaned and new.complete:
                 # Retention removed the last copy: the record describes nothing any more.
                 await self._delete([new], f"{job} step {step}: last copy deleted")
                 return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(new))
-            await self._save("checkpoint", rules.encode(new, [request.rank]), (),
-                             ("copy_recorded", "", f"{job} step {step}: {what}"), [new])
+            puts = rules.encode(new, [request.rank])
+            pruned, emptied = self._memory_pruned(new, request.rank, request.tier, request.location) \
+                if request.present and not corrupt else ([], [])
+            for other in pruned:
+                puts.update(rules.encode(other, [request.rank]))
+            memory = request.tier == rules.MEMORY and not corrupt
+            await self._save("checkpoint", puts, (), None if memory else (
+                "copy_recorded", "", f"{job} step {step}: {what}"), [new, *pruned])
+            if emptied:
+                await self._delete(emptied, f"{job}: memory snapshots of rank {request.rank} on {request.location} "
+                                            "superseded", quiet=True)
             return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(new))
 
     async def invalidate(self, request: checkpoint_pb2.InvalidateCheckpointRequest) -> checkpoint_pb2.CheckpointInfo:
         job, step = _check(request.job, request.step)
-        if not request.reason:
+        limits.validate_invalidate(request)
+        reason = limits.clip(limits.one_line(request.reason), 500)
+        if not reason:
             raise errors.InvalidArgument("reason", "say why the checkpoint is invalid")
         async with self._lock:
             record = self._get(job, step)
             if record.invalid_reason:
                 return rules.to_info(record)
-            new = replace(record, invalid_reason=request.reason[:500])
+            refused = rules.invalidation_loses_last([r for (j, _), r in self._records().items() if j == job], step)
+            if refused:
+                raise errors.CatalogConflict(f"job {job}: {refused}")
+            new = replace(record, invalid_reason=reason)
             await self._save("checkpoint", rules.encode(new, []), (),
-                             ("checkpoint_invalid", "", f"{job} step {step} invalid: {request.reason[:500]}"), [new])
-            log.warning("checkpoint %s step %d marked invalid: %s", job, step, request.reason)
+                             ("checkpoint_invalid", "", f"{job} step {step} invalid: {reason}"), [new])
+            log.warning("checkpoint %s step %d marked invalid: %s", job, step, reason)
             return rules.to_info(new)
 
     def list(self, job: str) -> list[checkpoint_pb2.CheckpointInfo]:
+        """The first page (:data:`~.limits.DEFAULT_PAGE_SIZE` records, about
+        :data:`~.limits.MAX_PAGE_BYTES`); :meth:`list_page` for the rest."""
+        return list(self.list_page(checkpoint_pb2.ListCheckpointsRequest(job=job)).checkpoints)
+
+    def list_page(self, request: checkpoint_pb2.ListCheckpointsRequest) -> checkpoint_pb2.ListCheckpointsResponse:
+        """Records in (job, step) order, a page at a time; the token is ``<job>/<step:012d>`` of the
+        previous page's last record."""
+        job = request.job
         if job:
             _check(job, 0)
-        return [rules.to_info(r) for (j, _), r in sorted(self._records().items()) if not job or j == job]
+        page = limits.page(request.page_size, request.page_token, _PAGE_TOKEN)
+        after: tuple[str, int] | None = None
+        if page.token:
+            token_job, token_step = page.token.split("/")
+            after = (token_job, int(token_step))
+        keys = sorted(k for k in self._records() if (not job or k[0] == job) and (after is None or k > after))
+        records = self._records()
+        infos, more = limits.take_page((rules.to_info(records[k]) for k in keys), page.size,
+                                       checkpoint_pb2.CheckpointInfo.ByteSize)
+        token = f"{infos[-1].job}/{infos[-1].step:012d}" if more else ""
+        return checkpoint_pb2.ListCheckpointsResponse(checkpoints=infos, next_page_token=token)
 
-    def restore_target(self, job: str) -> checkpoint_pb2.RestoreTarget:
+    def restore_target(self, job: str, world_size: int = 0) -> checkpoint_pb2.RestoreTarget:
         _check(job, 0)
+        if world_size < 0 or world_size > MAX_RANK + 1:
+            raise errors.InvalidArgument("world_size", f"must be in [0, {MAX_RANK + 1}], got {world_size}")
         view = self.state.require_leader()
         records = [r for (j, _), r in view.catalog.items() if j == job]
-        target, why = rules.restore_target(records, view.rollbacks.get(job))
+        target, why = rules.restore_target(records, view.rollbacks.get(job), world_size, _unreachable(view, records))
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)
         return checkpoint_pb2.RestoreTarget(found=True, checkpoint=rules.to_info(target), reason=why)
@@ -216,3 +310,12 @@ class CatalogKeeper:
             log.warning("job %s rolled back to step %d (removed %s)", job, step, list(rb.superseded))
             return checkpoint_pb2.RollbackResponse(target=rules.to_info(self._get(job, step)),
                                                    removed_steps=list(rb.superseded))
+
+
+def _unreachable(view: ClusterView, records: Sequence[rules.CheckpointRecord]) -> set[str]:
+    """Locations of the records' copies that cannot be read now: nodes dead, fenced or unknown (a
+    node's memory tier dies with it; its disks wait for it to come back)."""
+    gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
+    locations = {c.location for r in records for s in r.shards.values() for c in s.copies}
+    return {loc for loc in locations - set(limits.SHARED_LOCATIONS)
+            if loc not in view.nodes or view.state_of(loc)[0] in gone}

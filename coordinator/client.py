@@ -4,6 +4,13 @@ replicas, retries only what is safe to retry, and explains failures in terms an 
 A standby answers UNAVAILABLE with the leader's address in the ``ftd-leader`` trailing metadata; the
 client switches to it. A request refused by a standby was not processed, so even a non-idempotent
 call may be re-sent to the leader; any other failure of a non-idempotent call is raised as is.
+
+Transport security: ``tls`` is the caller's identity (:class:`~ftd.pki.IdentityFiles`: agents as
+``node/<id>``, rendezvous handlers as ``rendezvous/<id>``, ``ftctl`` as an operator). The client
+checks the files' stamp at most once a second; after a rotation, new calls go over channels opened
+with the new certificate, while calls in flight (a heartbeat stream) keep their connection. Without
+``tls`` the client uses the identity registered for those endpoints by :func:`remember_identity`
+(what :func:`ftd.ftctl.localcluster.up` does for the cluster it started), else plaintext.
 """
 
 from __future__ import annotations
@@ -11,27 +18,53 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 
+from ftd.pki import IdentityFiles, PkiError, TlsMaterial
+from ftd.rpc import Tls, parse_endpoints, rpc_code, rpc_details
 from ftd.rpc import channel as open_channel
-from ftd.rpc import parse_endpoints, rpc_code, rpc_details
-from ftd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ftd.v1 import checkpoint_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("ftd.client")
 LEADER_METADATA_KEY = "ftd-leader"
+ROTATION_CHECK_S = 1.0  # how often a client looks for a rotated certificate
+_RETIRED_KEPT = 4  # channels of older certificates kept open for the calls still running on them
+
+# endpoint -> the identity to dial it with when a client is given none (remember_identity)
+_REMEMBERED: dict[str, Tls] = {}
+_REMEMBERED_LOCK = threading.Lock()
+
+
+def remember_identity(endpoints: str | Sequence[str], tls: Tls) -> None:
+    """Clients of this process made without ``tls`` dial ``endpoints`` with ``tls``: how the process
+    that started a local cluster (and holds its operator certificate) reaches it by default."""
+    with _REMEMBERED_LOCK:
+        for endpoint in parse_endpoints(endpoints, "coordinator endpoint"):
+            _REMEMBERED[endpoint] = tls
+
+
+def remembered_identity(endpoints: str | Sequence[str]) -> Tls | None:
+    """The identity :func:`remember_identity` registered for any of ``endpoints``, else ``None``."""
+    with _REMEMBERED_LOCK:
+        for endpoint in parse_endpoints(endpoints, "coordinator endpoint"):
+            if endpoint in _REMEMBERED:
+                return _REMEMBERED[endpoint]
+    return None
 
 
 class CoordinatorUnreachable(ConnectionError):
     """No replica answered as leader; names every endpoint tried and the last error."""
 
-    def __init__(self, endpoints: Sequence[str], last: str) -> None:
+    def __init__(self, endpoints: Sequence[str], last: str, tls: bool = True) -> None:
+        hint = "" if tls else (" If the coordinators use mTLS (pki_dir), give ftctl the PKI directory "
+                               "(--pki-dir or FTD_PKI_DIR): a plaintext client is refused during the handshake.")
         super().__init__(
             f"no coordinator leader reachable at {','.join(endpoints)} (last error: {last}). "
             "Check that ftd-coordinator runs there (systemctl status ftd-coordinator), that etcd is up, "
-            "and that --coordinator / FTD_COORDINATOR names the right HOST:PORT list."
+            f"and that --coordinator / FTD_COORDINATOR names the right HOST:PORT list.{hint}"
         )
         self.endpoints = list(endpoints)
 
@@ -48,23 +81,65 @@ def leader_hint(exc: BaseException) -> str | None:
 
 
 class CoordinatorClient:
-    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0, tls: Tls | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoints = parse_endpoints(endpoints, "coordinator endpoint")
         self.timeout_s = timeout_s
+        self.tls = tls if tls is not None else remembered_identity(self.endpoints)
+        self.clock = clock
         self._current = self.endpoints[0]
         self._channels: dict[str, grpc.Channel] = {}
+        self._retired: list[grpc.Channel] = []
         self._lock = threading.Lock()
+        # The certificate the channels are opened with: read once here (a bad identity fails now,
+        # naming the file), again after its files change on disk.
+        self._material: TlsMaterial | None = None
+        self._stamp: tuple[tuple[int, int, int], ...] = ()
+        self._refused: tuple[tuple[int, int, int], ...] = ()
+        self._checked_at = clock()
+        self.rotations = 0
+        if isinstance(self.tls, IdentityFiles):
+            self._stamp = self.tls.stamp()
+            self._material = self.tls.load()
+        elif isinstance(self.tls, TlsMaterial):
+            self._material = self.tls
 
     @property
     def current(self) -> str:
         return self._current
 
+    def _check_rotation(self) -> None:
+        """At most every :data:`ROTATION_CHECK_S`: when the identity's files changed and check out,
+        later calls use channels with the new certificate (caller holds the lock). Channels of the
+        old one stay open for the calls still running on them (a heartbeat stream)."""
+        files = self.tls
+        now = self.clock()
+        if not isinstance(files, IdentityFiles) or now - self._checked_at < ROTATION_CHECK_S:
+            return
+        self._checked_at = now
+        stamp = files.stamp()
+        if stamp in (self._stamp, self._refused):
+            return
+        try:
+            material = files.load(attempts=3)
+        except PkiError as exc:  # half copied, expired, another CA: keep the current certificate
+            log.warning("keeping the current certificate of %s/%s: %s", files.kind, files.name, exc)
+            self._refused = stamp
+            return
+        self._stamp, self._material, self.rotations = files.stamp(), material, self.rotations + 1
+        self._retired.extend(self._channels.values())
+        self._channels.clear()
+        while len(self._retired) > _RETIRED_KEPT:
+            self._retired.pop(0).close()
+        log.info("using the rotated certificate of %s/%s for new calls", files.kind, files.name)
+
     def stub(self, endpoint: str | None = None) -> coordinator_pb2_grpc.CoordinatorStub:
         endpoint = endpoint or self._current
         with self._lock:
+            self._check_rotation()
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = open_channel(endpoint)
+                channel = open_channel(endpoint, tls=self._material)
                 self._channels[endpoint] = channel
         return coordinator_pb2_grpc.CoordinatorStub(channel)
 
@@ -90,7 +165,7 @@ class CoordinatorClient:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CoordinatorUnreachable(self.endpoints, last)
+                raise CoordinatorUnreachable(self.endpoints, last, tls=self.tls is not None)
             try:
                 fn = getattr(self.stub(), method)
                 return fn(request, timeout=min(timeout_s or self.timeout_s, remaining))
@@ -110,8 +185,30 @@ class CoordinatorClient:
     def status(self, **kw: Any) -> coordinator_pb2.ClusterStatus:
         return self.call("GetStatus", coordinator_pb2.GetStatusRequest(), idempotent=True, **kw)  # type: ignore[no-any-return]
 
-    def nodes(self, **kw: Any) -> coordinator_pb2.ListNodesResponse:
-        return self.call("ListNodes", coordinator_pb2.ListNodesRequest(), idempotent=True, **kw)  # type: ignore[no-any-return]
+    def nodes(self, max_pages: int = 1000, **kw: Any) -> coordinator_pb2.ListNodesResponse:
+        """Every registered node: the pages (at most ``max_pages``) joined into one answer."""
+        out = coordinator_pb2.ListNodesResponse()
+        token = ""
+        for _ in range(max_pages):
+            page = self.call("ListNodes", coordinator_pb2.ListNodesRequest(page_token=token), idempotent=True, **kw)
+            out.nodes.extend(page.nodes)
+            token = page.next_page_token
+            if not token:
+                break
+        return out
+
+    def checkpoints(self, job: str, max_pages: int = 1000, **kw: Any) -> list[checkpoint_pb2.CheckpointInfo]:
+        """Every checkpoint of ``job`` in step order, following the catalog's pages."""
+        out: list[checkpoint_pb2.CheckpointInfo] = []
+        token = ""
+        for _ in range(max_pages):
+            page = self.call("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job=job, page_token=token),
+                             idempotent=True, **kw)
+            out.extend(page.checkpoints)
+            token = page.next_page_token
+            if not token:
+                break
+        return out
 
     def events(self, limit: int = 100, **kw: Any) -> coordinator_pb2.ListEventsResponse:
         return self.call("ListEvents", coordinator_pb2.ListEventsRequest(limit=limit), idempotent=True, **kw)  # type: ignore[no-any-return]
@@ -126,6 +223,7 @@ class CoordinatorClient:
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
+            for channel in [*self._channels.values(), *self._retired]:
                 channel.close()
             self._channels.clear()
+            self._retired.clear()

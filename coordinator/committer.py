@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from . import errors
 from .leader_state import EventLine
+from .limits import LogThrottle
 from .metrics import CoordinatorMetrics
 from .model import Event, LeaderInfo, NodeRecord, World
 from .settings import CoordinatorSettings
@@ -49,6 +50,7 @@ class Committer:
         self.known_leader: LeaderInfo | None = None
         self.reload_wanted = False  # a guard refused a commit: the state in memory may be stale
         self._lock = asyncio.Lock()
+        self._errors = LogThrottle(log)
 
     @property
     def is_leader(self) -> bool:
@@ -76,13 +78,13 @@ class Committer:
 
     async def commit(self, kind: str, *, nodes: Sequence[NodeRecord] = (), world: World | None = None,
                      events: Sequence[EventLine] = (), kv_puts: Mapping[str, bytes] | None = None,
-                     kv_deletes: Sequence[str] = ()) -> CommitResult:
+                     kv_deletes: Sequence[str] = (), node_deletes: Sequence[str] = ()) -> CommitResult:
         async with self._lock:
-            return await self._commit_locked(kind, nodes, world, events, kv_puts or {}, kv_deletes)
+            return await self._commit_locked(kind, nodes, world, events, kv_puts or {}, kv_deletes, node_deletes)
 
     async def _commit_locked(self, kind: str, nodes: Sequence[NodeRecord], world: World | None,
                              events: Sequence[EventLine], kv_puts: Mapping[str, bytes],
-                             kv_deletes: Sequence[str]) -> CommitResult:
+                             kv_deletes: Sequence[str], node_deletes: Sequence[str] = ()) -> CommitResult:
         view = self.require_leader()
         assert self.lease is not None
         now = self.wall()
@@ -94,12 +96,15 @@ class Committer:
         started = time.perf_counter()  # the real duration of the etcd call, whatever the injected clocks say
         try:
             result = await self.calls.data("commit", self.store.commit, guard, nodes, world, evs,
-                                           max(0, last_seq + 1 - self.settings.max_events), kv_puts, kv_deletes)
+                                           max(0, last_seq + 1 - self.settings.max_events), kv_puts, kv_deletes,
+                                           node_deletes)
         except StoreUnavailable as exc:
             raise errors.StateUnavailable(f"not committed, etcd unreachable: {exc}") from exc
         except StoreRejected as exc:
             self.metrics.etcd_errors.labels("commit_rejected").inc()
-            log.error("etcd rejected a %s commit, nothing changed: %s", kind, exc)
+            # Under NOSPACE every commit is refused, ten times a second: one line per kind per 10 s.
+            self._errors.log(logging.ERROR, f"rejected:{kind}", "etcd rejected a %s commit, nothing changed: %s",
+                             kind, exc)
             raise errors.StateRejected(f"not committed: {exc}") from exc
         except StaleStateError:
             self.metrics.etcd_errors.labels("commit_stale").inc()
@@ -111,6 +116,8 @@ class Committer:
         view.last_event_seq = last_seq
         for node in nodes:
             view.nodes[node.node_id] = node
+        for node_id in node_deletes:
+            view.forget(node_id)
         if world is not None:
             view.set_world(world, result.world_revision)
         return result

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 from ftd import systemd
 from ftd.logs import set_identity
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import errors
+from . import errors, limits
 from .catalog import CatalogKeeper
 from .committer import Committer
 from .drains import DrainKeeper
@@ -33,13 +33,17 @@ from .jobs import JobKeeper
 from .membership import Membership
 from .metrics import CoordinatorMetrics
 from .model import Event
+from .security_metrics import ALARMS, security_metrics
 from .settings import CoordinatorSettings
-from .store import Lease, StaleStateError, StateStore, StoreUnavailable
+from .store import Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
 from .store_calls import StoreCalls
+from .view import ALARM_HINTS
 
 log = logging.getLogger("ftd.coordinator")
 
 STANDBY_POLL_S = 0.2  # how often a standby (or a leader that could not confirm its lease) tries again
+ALARM_POLL_S = 5.0  # how often every replica reads etcd's alarms
+MAX_PROBLEM_EVENTS = 20  # corrupt records named one by one in the event log at election
 
 
 class Controller:
@@ -61,11 +65,19 @@ class Controller:
         self.wall = wall  # unix time: what records and events say
         self.calls = StoreCalls(self.metrics)
         self.committer = Committer(store, self.calls, settings, self.metrics, clock, wall)
-        self.membership = Membership(self.committer, settings, self.metrics, self.wake, clock, wall)
+        self.security = security_metrics(self.metrics.registry)
+        self.limiter = limits.WriteLimiter(
+            settings.write_rate_per_node_s, settings.write_burst_per_node,
+            clock=clock, on_limited=self.security.count_limited)
+        self.membership = Membership(self.committer, settings, self.metrics, self.wake, clock, wall, self.limiter)
         self.jobs = JobKeeper(self.committer, round_started=self.membership.round_started,
-                              push_all=self.membership.push_all, wake=self.wake, wall=wall)
-        self.catalog = CatalogKeeper(self.committer, self.metrics, wall)
+                              push_all=self.membership.push_all, wake=self.wake, wall=wall, limiter=self.limiter)
+        self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter)
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
+        self.alarms: list[str] = []  # etcd's raised alarms, as last polled (every replica polls)
+        self._alarms_at = -1e9
+        self._errors = limits.LogThrottle(log)
+        self._job_series: set[str] = set()  # jobs whose ftd_coordinator_job_* series are published
         self.last_tick_at = self.clock()
         self._last_confirmed = 0.0
         self._gauges_at = -1e9
@@ -107,14 +119,21 @@ class Controller:
         self.membership.new_term()
         self.metrics.is_leader.set(1)
         set_identity(role="leader", epoch=state.view.world.epoch)
-        for problem in state.view.problems:
-            log.error("%s (skipped; the step is treated as invalid)", problem)
+        state.view.etcd_alarms = list(self.alarms)
+        problems = state.view.problems
+        for problem in problems[:MAX_PROBLEM_EVENTS]:
+            log.error("%s (skipped: the leader goes on without it; ftctl status lists it)", problem)
+        self.security.corrupt_records.set(len(problems))
         self._publish_gauges()
         log.info("elected leader at %s: epoch %d, %d nodes known, grace %.1fs", self.address,
                  state.view.world.epoch, len(state.view.nodes), self.settings.failover_grace_s)
-        # The event is informational; if it cannot be written the keep-alive loop sorts leadership out.
-        with contextlib.suppress(errors.StateUnavailable, StaleStateError):
-            await state.commit("leader", events=[("leader_elected", "", f"{self.replica_id} leads at {self.address}")])
+        events = [("leader_elected", "", f"{self.replica_id} leads at {self.address}")]
+        events += [("corrupt_record", "", f"skipped: {p}") for p in problems[:MAX_PROBLEM_EVENTS]]
+        if len(problems) > MAX_PROBLEM_EVENTS:
+            events.append(("corrupt_record", "", f"... and {len(problems) - MAX_PROBLEM_EVENTS} more corrupt records"))
+        # The events are informational; if they cannot be written the keep-alive loop sorts leadership out.
+        with contextlib.suppress(errors.StateUnavailable, errors.StateRejected, StaleStateError):
+            await state.commit("leader", events=events)
 
     async def _step_down(self, reason: str) -> None:
         log.warning("stepping down: %s", reason)
@@ -150,6 +169,8 @@ class Controller:
             state.known_leader = leader
         except StoreUnavailable:
             pass
+        except StoreRejected as exc:  # a full etcd (NOSPACE) refuses new leases: nobody can campaign
+            self._errors.log(logging.ERROR, "campaign_rejected", "cannot campaign for the leadership: %s", exc)
 
     async def _leader_step(self) -> bool:
         """Refreshes the lease; returns whether it was confirmed (if not, the loop retries soon)."""
@@ -158,7 +179,7 @@ class Controller:
         sent = self.clock()
         try:
             still = await self.calls.lease("keep_alive", self.store.keep_alive, state.lease)
-        except StoreUnavailable:
+        except (StoreUnavailable, StoreRejected):
             unconfirmed = self.clock() - self._last_confirmed
             if not state.suspended and unconfirmed > self.settings.leader_ttl_s:
                 await self._suspend(f"lease unconfirmed for {unconfirmed:.1f}s (ttl {self.settings.leader_ttl_s}s)")
@@ -182,13 +203,38 @@ class Controller:
     # ---- reconciliation ----------------------------------------------------------------------
 
     async def tick(self) -> None:
-        """One detection + reconciliation tick (a no-op on a standby), then the gauges when due."""
+        """One detection + reconciliation tick (a no-op on a standby), then the gauges when due; every
+        replica polls etcd's alarms."""
+        now = self.clock()
+        if now - self._alarms_at >= ALARM_POLL_S:
+            self._alarms_at = now
+            await self.poll_alarms()
         if not self.is_leader:
             return
-        now = self.clock()
         await self.membership.tick()
         if self.membership.changed or now - self._gauges_at >= 1.0:
             self._publish_gauges()
+
+    async def poll_alarms(self) -> None:
+        """Reads etcd's alarms into ``ftd_coordinator_etcd_alarm`` and the status. While NOSPACE is
+        raised every commit is refused (with a message saying how to free space); the tick keeps
+        planning, so fencing and promotion resume by themselves once the alarm is disarmed."""
+        try:
+            alarms = await self.calls.data("alarms", self.store.alarms)
+        except (StoreUnavailable, StoreRejected):
+            return
+        if alarms != self.alarms:
+            if alarms:
+                log.error("etcd raised alarm(s) %s: %s", ", ".join(alarms),
+                          "; ".join(ALARM_HINTS.get(a, "see etcdctl alarm list") for a in alarms))
+            else:
+                log.warning("etcd alarm(s) %s cleared: commits resume", ", ".join(self.alarms))
+        self.alarms = alarms
+        for alarm in ALARMS:
+            self.security.etcd_alarm.labels(alarm).set(1 if alarm in alarms else 0)
+        view = self.committer.view
+        if view is not None:
+            view.etcd_alarms = list(alarms)
 
     def _publish_gauges(self) -> None:
         view = self.committer.view
@@ -205,6 +251,13 @@ class Controller:
         incident, job = self.membership.recovery.open, view.current_job()
         open_s = self.clock() - incident.last_heartbeat if incident and job is not None and not job.closed else 0.0
         self.metrics.recovery_open.set(open_s)
+        # At most limits.MAX_JOBS jobs (JobKeeper removes closed ones, refuses more); a removed job's
+        # series go with it, so job ids from requests cannot grow the series without bound.
+        for gone in self._job_series - set(view.jobs):
+            for gauge in (self.metrics.job_round, self.metrics.job_restarts):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(gone)
+        self._job_series = set(view.jobs)
         for job in view.jobs.values():
             self.metrics.job_round.labels(job.job).set(job.round)
             self.metrics.job_restarts.labels(job.job).set(job.restarts)
@@ -234,15 +287,34 @@ class Controller:
         return view.status(self.replica_id, self.address, self.committer.lease.leader.since_unix_s,
                            self.calls.etcd_ok)
 
-    def nodes(self) -> coordinator_pb2.ListNodesResponse:
-        return coordinator_pb2.ListNodesResponse(nodes=self.committer.require_leader().node_infos(self.clock()))
+    def nodes(self, request: coordinator_pb2.ListNodesRequest | None = None) -> coordinator_pb2.ListNodesResponse:
+        """A page of nodes (the first, of the default size, without a request)."""
+        request = request or coordinator_pb2.ListNodesRequest()
+        return self.committer.require_leader().node_page(self.clock(), request.page_size, request.page_token)
 
-    async def events(self, limit: int) -> list[Event]:
+    async def events(self, limit: int, before_seq: int = 0) -> list[Event]:
         self.committer.require_leader()
         try:
-            return await self.calls.data("list_events", self.store.list_events, limit)
+            return await self.calls.data("list_events", self.store.list_events, limit, before_seq)
         except StoreUnavailable as exc:
             raise errors.StateUnavailable(f"cannot read the event log: {exc}") from exc
+
+    async def event_page(self, request: coordinator_pb2.ListEventsRequest) -> coordinator_pb2.ListEventsResponse:
+        """A page of the event log, newest first: ``limit`` events (0: 100, at most 10000) and about
+        :data:`~.limits.MAX_PAGE_BYTES`; the token is the oldest sequence number handed out."""
+        limit = request.limit or 100
+        if limit > 10000:
+            raise errors.InvalidArgument("limit", f"at most 10000, got {limit}")
+        page = limits.page(0, request.page_token, r"[0-9]{0,20}")
+        before = int(page.token) if page.token else 0
+        if page.token and before <= 1:
+            return coordinator_pb2.ListEventsResponse()
+        events = await self.events(limit, before)
+        shown, more = limits.take_page(
+            (cluster_pb2.Event(seq=e.seq, at_unix_s=e.at_unix_s, kind=e.kind, node_id=e.node_id, epoch=e.epoch,
+                               message=e.message) for e in events), limit, cluster_pb2.Event.ByteSize)
+        more = more or (len(events) == limit and bool(shown) and shown[-1].seq > 1)
+        return coordinator_pb2.ListEventsResponse(events=shown, next_page_token=str(shown[-1].seq) if more else "")
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

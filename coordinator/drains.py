@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 from ftd.v1 import coordinator_pb2
 
-from . import errors, handover
+from . import errors, handover, limits
 from .leader_state import LeaderState
-from .model import valid_node_id
 
 log = logging.getLogger("ftd.coordinator.drains")
 MAX_REASON = 300
@@ -33,12 +32,9 @@ class DrainKeeper:
         self._lock = asyncio.Lock()
 
     async def drain(self, req: coordinator_pb2.DrainRequest) -> coordinator_pb2.DrainResponse:
+        limits.validate_drain(req)
         node_id = req.node_id
-        if not valid_node_id(node_id):
-            raise errors.InvalidArgument("node_id", f"{node_id[:100]!r} is not a valid node id")
-        if req.deadline_unix_s < 0:
-            raise errors.InvalidArgument("deadline_unix_s", f"must be >= 0, got {req.deadline_unix_s}")
-        reason = " ".join(req.reason.split())[:MAX_REASON] or "drain requested"
+        reason = limits.clip(limits.one_line(req.reason), MAX_REASON) or "drain requested"
         async with self._lock:
             view = self.state.require_leader()
             node = view.nodes.get(node_id)

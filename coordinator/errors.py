@@ -75,7 +75,17 @@ class StateUnavailable(CoordinatorError):
 
 
 class StateRejected(CoordinatorError):
-    """etcd refused the change itself (e.g. its database is full); nothing was written."""
+    """etcd refused the change itself (its database is full: the NOSPACE alarm; a transaction over
+    ``--max-txn-ops``); nothing was written. Resending it unchanged does not help until an operator
+    frees space (compact, defragment, ``etcdctl alarm disarm``)."""
+
+
+class RateLimited(CoordinatorError):
+    """A node sent writes faster than its per-node rate limit; nothing was done."""
+
+
+class TooMany(CoordinatorError):
+    """A cap on stored records was reached (jobs, catalog jobs); nothing was written."""
 
 
 class CheckpointNotFound(CoordinatorError):
@@ -129,7 +139,9 @@ GRPC_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     StaleIncarnation: grpc.StatusCode.FAILED_PRECONDITION,
     NotLeader: grpc.StatusCode.UNAVAILABLE,
     StateUnavailable: grpc.StatusCode.UNAVAILABLE,
-    StateRejected: grpc.StatusCode.INTERNAL,
+    StateRejected: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TooMany: grpc.StatusCode.RESOURCE_EXHAUSTED,
     CheckpointNotFound: grpc.StatusCode.NOT_FOUND,
     ShardExists: grpc.StatusCode.ALREADY_EXISTS,
     CatalogConflict: grpc.StatusCode.FAILED_PRECONDITION,

@@ -10,7 +10,11 @@ Key layout under ``/ftd/<cluster>/`` (who writes: the leader, inside guarded tra
 =====================  ==========================================================================
 
 Heartbeats never touch etcd. Every gRPC or client error is translated here, once, into
-:class:`StoreUnavailable` with the cause chained.
+:class:`StoreUnavailable` with the cause chained, or :class:`StoreRejected` when etcd refused the
+request itself (a full database says so, and how to free it).
+
+A record that does not decode is skipped and named in ``Snapshot.problems`` (a corrupt event is
+left out of ``list_events``): it never fails a load, so it cannot keep a leader from leading.
 """
 
 from __future__ import annotations
@@ -26,19 +30,24 @@ from pyetcd import transactions as tx
 from ftd.etcd_client import make_client, next_member
 from ftd.rpc import rpc_code, rpc_details
 
+from .limits import LogThrottle
 from .model import (
     CorruptRecord,
     Event,
     LeaderInfo,
     NodeRecord,
     World,
+    clip_event,
     decode_event,
     decode_leader,
     decode_node,
     decode_world,
     encode,
+    world_after_corruption,
 )
 from .store import (
+    NOSPACE,
+    NOSPACE_HINT,
     CommitResult,
     Guard,
     Lease,
@@ -51,8 +60,10 @@ from .store import (
 )
 
 log = logging.getLogger(__name__)
+_throttle = LogThrottle(log)
 T = TypeVar("T")
 
+_ALARM_NAMES = {1: NOSPACE, 2: "corrupt"}  # etcdserverpb.AlarmType
 _CONNECTIVITY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
@@ -93,6 +104,8 @@ class EtcdStore:
             if code is None or code in _CONNECTIVITY:
                 self._move_on()
                 raise StoreUnavailable(f"{op} on etcd {self.endpoints}", exc) from exc
+            if "space exceeded" in rpc_details(exc):
+                raise StoreRejected(f"{op} on etcd {self.endpoints}", f"{NOSPACE_HINT} ({rpc_details(exc)})") from exc
             raise StoreRejected(f"{op} on etcd {self.endpoints}", f"{code.name}: {rpc_details(exc)}") from exc
         except (pyetcd.exceptions.Etcd3Exception, ValueError) as exc:
             # ValueError: pyetcd's "Trying to use a failed node" when every endpoint just failed.
@@ -112,22 +125,45 @@ class EtcdStore:
             revision = resp.header.revision
             nodes: dict[str, NodeRecord] = {}
             world, world_rev, leader = World(), 0, None
+            problems: list[str] = []
+            world_corrupt = False
             for kv in resp.kvs:
-                key = kv.key.decode()
-                if key == self.keys.world:
-                    world, world_rev = decode_world(key, kv.value), kv.mod_revision
-                elif key == self.keys.leader:
-                    leader = decode_leader(key, kv.value)
-                elif key.startswith(self.keys.nodes):
-                    node = decode_node(key, kv.value)
-                    nodes[node.node_id] = node
+                key = kv.key.decode("utf-8", "replace")
+                try:
+                    if key == self.keys.world:
+                        world, world_rev = decode_world(key, kv.value), kv.mod_revision
+                    elif key == self.keys.leader:
+                        leader = decode_leader(key, kv.value)
+                    elif key.startswith(self.keys.nodes):
+                        node = decode_node(key, kv.value)
+                        if node.node_id != key[len(self.keys.nodes):]:
+                            raise CorruptRecord(key, f"names node {node.node_id!r}")
+                        nodes[node.node_id] = node
+                except CorruptRecord as exc:
+                    # The world key is the one record a leader cannot do without: it keeps its
+                    # revision, so a commit replaces the bad value rather than racing another writer.
+                    if key == self.keys.world:
+                        world_rev, world_corrupt = kv.mod_revision, True
+                    problems.append(str(exc))
+            # The newest events: the last sequence number, and (should the world not decode) the
+            # newest epoch any of them names.
             last = self._data.get_prefix_response(
-                self.keys.events, sort_order="descend", sort_target="key", limit=1, revision=revision
+                self.keys.events, sort_order="descend", sort_target="key", limit=20, revision=revision
             )
-            last_seq = int(last.kvs[0].key.decode().rsplit("/", 1)[1]) if last.kvs else 0
+            last_seq, last_epoch = 0, 0
+            for i, item in enumerate(last.kvs):
+                try:
+                    seq = int(item.key.decode().rsplit("/", 1)[1])
+                    last_seq = max(last_seq, seq)
+                    last_epoch = max(last_epoch, decode_event(self.keys.event(seq), item.value).epoch)
+                except (UnicodeDecodeError, ValueError, IndexError):  # CorruptRecord is a ValueError
+                    if i == 0:
+                        problems.append(f"event key {item.key!r} is not a decodable events/<seq> record")
+            if world_corrupt:
+                world = world_after_corruption(nodes, last_epoch)
             extra = self._data.get_prefix_response(self.keys.kv, revision=revision)
-            kv = {item.key.decode()[len(self.keys.kv):]: item.value for item in extra.kvs}
-            return Snapshot(nodes, world, world_rev, last_seq, leader, kv)
+            kv = {item.key.decode("utf-8", "replace")[len(self.keys.kv):]: item.value for item in extra.kvs}
+            return Snapshot(nodes, world, world_rev, last_seq, leader, kv, tuple(problems))
 
         return self._call("load", read)
 
@@ -140,18 +176,22 @@ class EtcdStore:
         prune_events_below: int = 0,
         kv_puts: Mapping[str, bytes] | None = None,
         kv_deletes: Sequence[str] = (),
+        node_deletes: Sequence[str] = (),
     ) -> CommitResult:
         kv_puts = kv_puts or {}
         for key in [*kv_puts, *kv_deletes]:
             check_kv_key(key)
+        for node_id in node_deletes:
+            check_kv_key(node_id)
         compare = [tx.Value(self.keys.leader) == encode(guard.leader)]
         ops: list[Any] = [tx.Put(self.keys.node(n.node_id), encode(n)) for n in nodes]
+        ops += [tx.Delete(self.keys.node(n)) for n in node_deletes]
         if world is not None:
             if guard.world_revision is None:
                 raise ValueError("a commit that writes the world needs guard.world_revision")
             compare.append(tx.Mod(self.keys.world) == guard.world_revision)
             ops.append(tx.Put(self.keys.world, encode(world)))
-        ops += [tx.Put(self.keys.event(e.seq), encode(e)) for e in events]
+        ops += [tx.Put(self.keys.event(e.seq), encode(clip_event(e))) for e in events]
         ops += [tx.Put(self.keys.kv + k, v) for k, v in kv_puts.items()]
         ops += [tx.Delete(self.keys.kv + k) for k in kv_deletes]
         if prune_events_below > 1:
@@ -169,20 +209,45 @@ class EtcdStore:
         world_kvs = responses[-1]
         return CommitResult(world_kvs[0][1].mod_revision if world_kvs else 0)
 
-    def list_events(self, limit: int) -> list[Event]:
+    def list_events(self, limit: int, before_seq: int = 0) -> list[Event]:
         def read() -> list[Event]:
-            resp = self._data.get_prefix_response(
-                self.keys.events, sort_order="descend", sort_target="key", limit=limit
-            )
-            return [decode_event(kv.key.decode(), kv.value) for kv in resp.kvs]
+            if before_seq > 0:
+                resp = self._data.get_range_response(self.keys.event(0), self.keys.event(before_seq),
+                                                     sort_order="descend", sort_target="key", limit=limit)
+            else:
+                resp = self._data.get_prefix_response(
+                    self.keys.events, sort_order="descend", sort_target="key", limit=limit
+                )
+            out = []
+            for kv in resp.kvs:
+                key = kv.key.decode("utf-8", "replace")
+                try:
+                    out.append(decode_event(key, kv.value))
+                except CorruptRecord as exc:  # every ListEvents would log it again: throttled
+                    _throttle.log(logging.WARNING, "corrupt_event", "%s (left out of the event list)", exc)
+            return out
 
         return self._call("list_events", read)
+
+    def alarms(self) -> list[str]:
+        def read() -> list[str]:
+            raised = {_ALARM_NAMES.get(a.alarm_type, f"alarm-{a.alarm_type}") for a in self._data.list_alarms()}
+            return sorted(raised)
+
+        return self._call("alarms", read)
 
     # ---- leadership ------------------------------------------------------------------------
 
     def current_leader(self) -> LeaderInfo | None:
         value, _ = self._call("current_leader", lambda: self._lease.get(self.keys.leader))
-        return decode_leader(self.keys.leader, value) if value is not None else None
+        if value is None:
+            return None
+        try:
+            return decode_leader(self.keys.leader, value)
+        except CorruptRecord as exc:
+            # Somebody holds the key (nobody may campaign), but it names nobody to follow.
+            _throttle.log(logging.ERROR, "corrupt_leader", "%s; waiting for its lease to expire", exc)
+            return LeaderInfo("unknown (corrupt leader record)", "", 0.0, "corrupt")
 
     def campaign(self, replica_id: str, address: str, ttl_s: int, now_unix: float) -> Lease | None:
         info = new_leader_info(replica_id, address, now_unix)

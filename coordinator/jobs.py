@@ -10,17 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from ftd import rpc
 from ftd.checkpoints.layout import BadIdentifier, check_job
 from ftd.v1 import coordinator_pb2
 
-from . import errors
+from . import errors, limits
 from . import rendezvous as rules
 from .detector import State
 from .leader_state import LeaderState
-from .model import valid_node_id
 
 log = logging.getLogger("ftd.coordinator.jobs")
 _STATUS = {rules.READY: coordinator_pb2.RoundInfo.READY, rules.WAIT: coordinator_pb2.RoundInfo.WAIT,
@@ -35,9 +33,7 @@ def _job(job: str) -> str:
 
 
 def _node(node_id: str) -> str:
-    if not valid_node_id(node_id):
-        raise errors.InvalidArgument("node_id", f"{node_id[:100]!r} is not a valid node id")
-    return node_id
+    return limits.check_id("node_id", node_id)
 
 
 def round_info(state: rules.JobState, reply: rules.Reply | None = None) -> coordinator_pb2.RoundInfo:
@@ -57,19 +53,38 @@ def _existing(state: rules.JobState | None, job: str) -> rules.JobState:
 
 class JobKeeper:
     def __init__(self, state: LeaderState, *, round_started: Callable[[int], None], push_all: Callable[[], None],
-                 wake: Callable[[], None], wall: Callable[[], float] = time.time) -> None:
+                 wake: Callable[[], None], wall: Callable[[], float] = time.time,
+                 limiter: limits.WriteLimiter | None = None) -> None:
         self.state = state
+        self.limiter = limiter or limits.WriteLimiter()
         self.round_started = round_started  # called with the step the new round restores from (-1: none)
         self.push_all = push_all
         self.wake = wake
         self.wall = wall
         self._lock = asyncio.Lock()
 
-    async def _save(self, before: rules.JobState | None, after: rules.JobState, event: str) -> None:
+    def _room_for(self, job: str) -> list[str]:
+        """Before a new job's first record: the closed jobs to remove (oldest first) so that at most
+        :data:`~.limits.MAX_JOBS` records are kept; :class:`~.errors.TooMany` when every one is open."""
+        jobs = self.state.require_leader().jobs
+        if job in jobs or len(jobs) < limits.MAX_JOBS:
+            return []
+        closed = sorted((j for j in jobs.values() if j.closed), key=lambda j: (j.round_unix_s, j.job))
+        excess = len(jobs) + 1 - limits.MAX_JOBS
+        if len(closed) < excess:
+            raise errors.TooMany(f"{len(jobs)} jobs are open (at most {limits.MAX_JOBS}); close one "
+                                 f"(ftctl) before job {job} can rendezvous")
+        return [j.job for j in closed[:excess]]
+
+    async def _save(self, before: rules.JobState | None, after: rules.JobState, event: str,
+                    evict: Sequence[str] = ()) -> None:
         if before == after:
             return
-        await self.state.commit("job", events=[("job", "", event)], kv_puts={rules.key(after.job): rules.encode(after)})
+        await self.state.commit("job", events=[("job", "", event)], kv_puts={rules.key(after.job): rules.encode(after)},
+                                kv_deletes=[rules.key(j) for j in evict])
         view = self.state.require_leader()
+        for job in evict:
+            view.jobs.pop(job, None)
         view.jobs[after.job] = after
         if before is not None and after.round != before.round:
             self.round_started(view.newest_restorable(after.job))
@@ -80,16 +95,19 @@ class JobKeeper:
 
     async def join(self, req: coordinator_pb2.JoinRoundRequest) -> coordinator_pb2.RoundInfo:
         job, node = _job(req.job), _node(req.node_id)
+        limits.validate_join_round(req)
+        self.limiter.check("JoinRound", node)
         async with self._lock:
             view = self.state.require_leader()
             if node not in view.nodes:
                 raise errors.NodeNotFound(node)
+            evict = self._room_for(job)
             before = view.jobs.get(job)
             suspects = {n for n, v in view.verdicts.items() if v.state is not State.ALIVE}
             state, reply = rules.join(self.wall(), before, job, view.world.epoch, view.world.ranks, node,
                                       req.last_round, req.min_nodes or 1, req.max_restarts or 10, suspects,
                                       planned=view.world.handed_over)
-            await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}")
+            await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}", evict)
             return round_info(state, reply)
 
     def get(self, job: str) -> coordinator_pb2.RoundInfo:
@@ -98,10 +116,7 @@ class JobKeeper:
 
     async def set_store(self, req: coordinator_pb2.SetRoundStoreRequest) -> coordinator_pb2.RoundInfo:
         job, node = _job(req.job), _node(req.node_id)
-        try:
-            rpc.parse_hostport(req.address)
-        except ValueError:
-            raise errors.InvalidArgument("address", f"{req.address[:100]!r} is not HOST:PORT") from None
+        limits.validate_set_round_store(req)
         async with self._lock:
             before = _existing(self.state.require_leader().jobs.get(job), job)
             after, error = rules.set_store(before, req.round, node, req.address)
@@ -112,19 +127,21 @@ class JobKeeper:
 
     async def close(self, req: coordinator_pb2.CloseJobRequest) -> coordinator_pb2.RoundInfo:
         job = _job(req.job)
+        reason = limits.check_text("reason", req.reason)
         async with self._lock:
             before = _existing(self.state.require_leader().jobs.get(job), job)
-            after = rules.close(before, req.reason or "closed")
+            after = rules.close(before, reason or "closed")
             await self._save(before, after, f"{job} closed: {after.closed_reason}")
             return round_info(after)
 
     async def report_hang(self, req: coordinator_pb2.ReportHangRequest) -> coordinator_pb2.ReportHangResponse:
         job, node = _job(req.job), _node(req.node_id)
+        why = limits.clip(limits.check_text("reason", req.reason), 300) or "no training progress"
+        self.limiter.check("ReportHang", node)
         async with self._lock:
             view = self.state.require_leader()
             if node not in view.nodes:
                 raise errors.NodeNotFound(node)
-            why = req.reason[:300] or "no training progress"
             if req.culprit:
                 view.forced_dead[node] = f"hung: {why}"
                 log.warning("node %s reported hung (%s): it will be fenced and replaced", node, why)

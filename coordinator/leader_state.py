@@ -25,6 +25,6 @@ class LeaderState(Protocol):
 
     async def commit(self, kind: str, *, nodes: Sequence[NodeRecord] = (), world: World | None = None,
                      events: Sequence[EventLine] = (), kv_puts: Mapping[str, bytes] | None = None,
-                     kv_deletes: Sequence[str] = ()) -> CommitResult:
-        """Commits in one guarded transaction or raises; node records and the world are applied to
-        the view on success, other records by the caller."""
+                     kv_deletes: Sequence[str] = (), node_deletes: Sequence[str] = ()) -> CommitResult:
+        """Commits in one guarded transaction or raises; node records (written or deleted) and the
+        world are applied to the view on success, other records by the caller."""

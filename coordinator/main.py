@@ -13,13 +13,14 @@ from pathlib import Path
 
 from grpc import aio
 
-from ftd import logs, metrics_http, rpc, systemd
+from ftd import etcd_client, logs, metrics_http, pki, rpc, systemd
 from ftd.settings import load_or_exit
 
+from . import limits
 from .control import Controller
 from .etcd_store import EtcdStore
 from .metrics import CoordinatorMetrics
-from .service import add_to_server
+from .service import add_to_server, authz_facts
 from .settings import ENV_PREFIX, CoordinatorSettings
 
 log = logging.getLogger("ftd.coordinator")
@@ -50,23 +51,63 @@ def start_http(listen: str, controller: Controller, metrics: CoordinatorMetrics)
     return f"{host}:{server.server_port}"
 
 
+def check_identity(settings: CoordinatorSettings) -> str:
+    """Loads this replica's certificate once (a bad one fails the start, naming the file) and checks
+    that it is of ``settings.cluster``; returns what went wrong, or "" when all is well."""
+    files = settings.identity
+    if files is None:
+        return ""
+    try:
+        own = pki.identity_of(files.load().cert_pem)
+    except pki.PkiError as exc:
+        return str(exc)
+    if own is None or own.cluster != settings.cluster:
+        return (f"certificate {files.cert_path} is of cluster {own.cluster if own else '?'!r}, but this coordinator "
+                f"serves cluster {settings.cluster!r} (setting cluster): every call would be refused")
+    return ""
+
+
 async def serve(settings: CoordinatorSettings) -> int:
     metrics = CoordinatorMetrics()
-    server = aio.server(options=rpc.SERVER_OPTIONS)
+    problem = check_identity(settings)
+    if problem:
+        log.error("cannot serve with mTLS: %s", problem)
+        return 1
+    guard: rpc.Guard | None = None
+    if settings.identity is None:
+        log.warning("no pki_dir: serving PLAINTEXT gRPC without authorization on %s; anyone who reaches it may "
+                    "register nodes, close jobs and roll back checkpoints (docs/security.md)", settings.listen)
+        server = aio.server(options=[*rpc.SERVER_OPTIONS, *limits.SERVER_SIZE_OPTIONS])
+    else:
+        guard = rpc.Guard(cluster=settings.cluster,
+                          on_denied=lambda method, rule: metrics.rpc_denied.labels(method, rule).inc())
+        server = aio.server(options=[*rpc.SERVER_OPTIONS, *limits.SERVER_SIZE_OPTIONS],
+                            interceptors=[rpc.AioAuthzInterceptor(guard)])
     host, port = rpc.parse_hostport(settings.listen)
-    bound = rpc.add_port(server, rpc.dial_target(host, port))
+    bound = rpc.add_port(server, rpc.dial_target(host, port), settings.identity)
     if bound == 0:
         log.error("cannot listen on %s", settings.listen)
         return 1
     address = settings.advertise or f"{host}:{bound}"
-    store = EtcdStore(settings.etcd_endpoints, settings.cluster, settings.etcd_timeout_s)
+    if settings.etcd_tls is None:
+        log.warning("no etcd_ca_file: talking to etcd %s in plaintext", settings.etcd_endpoints)
+    try:
+        with etcd_client.using_tls(settings.etcd_tls):
+            store = EtcdStore(settings.etcd_endpoints, settings.cluster, settings.etcd_timeout_s)
+    except pki.PkiError as exc:
+        log.error("cannot reach etcd with TLS: %s", exc)
+        return 1
     controller = Controller(store, settings, address, metrics)
+    if guard is not None:
+        guard.facts = authz_facts(controller)  # what the leader knows: hosts, job members, rank 0
     add_to_server(server, controller)
     await server.start()
     metrics_address = start_http(settings.metrics_listen, controller, metrics)
     logs.set_identity(replica=controller.replica_id)
-    log.info("serving on %s (metrics %s), etcd %s, cluster %r", address, metrics_address or "off",
-             settings.etcd_endpoints, settings.cluster)
+    log.info("serving on %s (%s; metrics %s), etcd %s (%s), cluster %r", address,
+             f"mTLS as coordinator/{settings.replica_id}" if guard is not None else "PLAINTEXT",
+             metrics_address or "off", settings.etcd_endpoints, "TLS" if settings.etcd_tls else "plaintext",
+             settings.cluster)
     if settings.ready_file:
         write_ready_file(settings.ready_file, {"pid": os.getpid(), "address": address,
                                                "metrics": metrics_address, "replica_id": controller.replica_id})

@@ -18,13 +18,14 @@ from ftd.health_verdict import eligible_for_promotion
 from ftd.logs import set_identity
 from ftd.v1 import coordinator_pb2
 
-from . import errors, handover
+from . import errors, handover, limits
 from .admission import check_heartbeat, decide_registration, validate_register
 from .detector import Liveness, State, Verdict, judge
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
-from .placement import plan
+from .placement import collectable, plan
 from .recovery import RecoveryTracker
+from .security_metrics import security_metrics
 from .settings import CoordinatorSettings
 from .store import StaleStateError
 from .view import ClusterView, Runtime
@@ -32,6 +33,8 @@ from .view import ClusterView, Runtime
 log = logging.getLogger("ftd.coordinator")
 
 ACK, PUSH = "ack", "push"
+GC_PERIOD_S = 30.0  # how often the tick looks for fenced node records past their retention
+GC_MAX_PER_COMMIT = 50
 
 
 @dataclass(eq=False)
@@ -54,8 +57,11 @@ class Stream:
 class Membership:
     def __init__(self, state: LeaderState, settings: CoordinatorSettings, metrics: CoordinatorMetrics,
                  wake: Callable[[], None], clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, limiter: limits.WriteLimiter | None = None) -> None:
         self.state = state
+        self.limiter = limiter or limits.WriteLimiter(clock=clock)
+        self.fenced_node_retention_s = settings.fenced_node_retention_s
+        self._gc_at = -1e18
         self.settings = settings
         self.metrics = metrics
         self.wake = wake  # runs the next tick now
@@ -75,6 +81,7 @@ class Membership:
 
     async def register(self, req: coordinator_pb2.RegisterRequest) -> coordinator_pb2.RegisterResponse:
         validate_register(req)
+        self.limiter.check("Register", req.node_id)
         async with self._lock:
             view = self.state.require_leader()
             now = self.clock()
@@ -120,6 +127,7 @@ class Membership:
             raise errors.InvalidArgument("node_id", f"changed within one stream ({stream.node_id} -> {req.node_id})")
         if req.incarnation != stream.incarnation:
             raise errors.InvalidArgument("incarnation", f"changed within the stream of node {stream.node_id}")
+        limits.validate_heartbeat_payload(req)
         live = view.liveness.get(req.node_id)
         runtime = view.runtime.get(req.node_id)
         if live is None or runtime is None:
@@ -206,6 +214,9 @@ class Membership:
             step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
                         self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
             if step is None:
+                if now - self._gc_at >= GC_PERIOD_S:
+                    self._gc_at = now
+                    await self._collect(view)
                 return
             handed = tuple(n for n in step.dead if n in planned)
             try:
@@ -232,6 +243,30 @@ class Membership:
                 shown = list(step.world.ranks) if size <= 16 else f"of {size} ranks"
                 log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
                 self.push_all()
+
+    async def _collect(self, view: ClusterView) -> None:
+        """Removes the records of nodes fenced longer than the retention ago (and not back since), so
+        that node ids that come and go do not pile up in etcd and in every ListNodes answer."""
+        if self.fenced_node_retention_s <= 0:
+            return
+        keep = set(view.drains) | set(view.forced_dead) | set(self.streams)
+        gone = collectable(self.wall(), view.world, view.nodes, self.fenced_node_retention_s, keep,
+                           GC_MAX_PER_COMMIT)
+        if not gone:
+            return
+        shown = ", ".join(gone[:8]) + (f" and {len(gone) - 8} more" if len(gone) > 8 else "")
+        event = ("nodes_collected", gone[0] if len(gone) == 1 else "",
+                 f"removed the records of {len(gone)} node(s) fenced more than "
+                 f"{self.fenced_node_retention_s:.0f}s ago: {shown}")
+        try:
+            await self.state.commit("gc", node_deletes=gone, events=[event])
+        except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
+            return
+        for node_id in gone:
+            view.forget(node_id)
+        security_metrics(self.metrics.registry).nodes_collected.inc(len(gone))
+        log.info("%s", event[2])
+        self.changed = True
 
     def _handovers_due(self, view: ClusterView) -> set[str]:
         """Marks the drained nodes whose hand-over is due as leaving (a verdict the placement acts on)

@@ -59,5 +59,8 @@ class CoordinatorMetrics:
                                    registry=r)
         self.handovers = Counter("ftd_coordinator_handovers_total",
                                  "Planned hand-overs committed (preemption notices, drains)", registry=r)
+        self.rpc_denied = Counter("ftd_coordinator_rpc_denied_total",
+                                  "Calls refused by the authorization table (docs/security.md), by method and rule",
+                                  ["method", "rule"], registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # whole string: re.fullmatch
 
 
 class Role(str, enum.Enum):
@@ -32,7 +32,7 @@ class CorruptRecord(ValueError):
 
 def valid_node_id(node_id: str) -> bool:
     """Node ids become etcd keys and directory names: no separators, no dot-dot, bounded length."""
-    return bool(NODE_ID_RE.match(node_id)) and node_id not in (".", "..")
+    return NODE_ID_RE.fullmatch(node_id) is not None and node_id not in (".", "..")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,16 @@ class Event:
     epoch: int = 0
 
 
+MAX_EVENT_MESSAGE = 2048  # characters of one event's message (an etcd value each)
+
+
+def clip_event(event: Event) -> Event:
+    """``event`` with its message cut to :data:`MAX_EVENT_MESSAGE` characters."""
+    if len(event.message) <= MAX_EVENT_MESSAGE:
+        return event
+    return replace(event, message=event.message[:MAX_EVENT_MESSAGE - 3] + "...")
+
+
 @dataclass(frozen=True)
 class LeaderInfo:
     """The value of the leader key. ``token`` is unique per term so a guard can compare it."""
@@ -105,6 +115,14 @@ class LeaderInfo:
     address: str
     since_unix_s: float
     token: str
+
+
+def world_after_corruption(nodes: Mapping[str, NodeRecord], last_event_epoch: int) -> World:
+    """What a leader works from when the stored world does not decode: no ranks (the nodes that are
+    alive join again) at an epoch no lower than any epoch the records name, so epochs still only grow
+    and a fenced node can never act in its old epoch."""
+    floor = max([last_event_epoch, *(n.fence.epoch for n in nodes.values() if n.fence is not None)])
+    return World(epoch=floor, reason="the stored world record is corrupt: rebuilt from the live nodes")
 
 
 # ---- JSON codec -------------------------------------------------------------------------------
@@ -128,12 +146,49 @@ def _load(key: str, raw: bytes) -> dict[str, Any]:
     return data
 
 
+def _check_types(key: str, data: dict[str, Any], types: Mapping[str, type]) -> None:
+    """Every field of ``data`` is known and of its type (a float field takes an int), so that a record
+    that decodes can be used without a type error deep inside a handler."""
+    for name, value in data.items():
+        want = types.get(name)
+        if want is None:
+            raise CorruptRecord(key, f"unknown field {name!r}")
+        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        if want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise CorruptRecord(key, f"field {name!r} is {type(value).__name__}, not {want.__name__}")
+
+
+_NODE = {"node_id": str, "host": str, "requested_role": str, "labels": dict, "agent_address": str, "pid": int,
+         "incarnation": str, "registered_unix_s": float, "fence": dict}
+_FENCE = {"epoch": int, "reason": str, "at_unix_s": float}
+_WORLD = {"epoch": int, "ranks": list, "target_size": int, "reason": str, "changed_unix_s": float,
+          "handed_over": list}
+_EVENT = {"seq": int, "at_unix_s": float, "kind": str, "message": str, "node_id": str, "epoch": int}
+_LEADER = {"replica_id": str, "address": str, "since_unix_s": float, "token": str}
+
+
+def _strings(key: str, name: str, values: Any) -> None:
+    if not all(isinstance(v, str) for v in values):
+        raise CorruptRecord(key, f"{name} holds something other than strings")
+
+
 def decode_node(key: str, raw: bytes) -> NodeRecord:
     data = _load(key, raw)
+    fence = data.pop("fence", None)
+    _check_types(key, data, _NODE)
+    labels = data.get("labels", {})
+    _strings(key, "labels", [*labels, *labels.values()])
+    if fence is not None:
+        if not isinstance(fence, dict):
+            raise CorruptRecord(key, "fence is not an object")
+        _check_types(key, fence, _FENCE)
     try:
-        fence = data.pop("fence", None)
         role = Role(data.pop("requested_role"))
         node = NodeRecord(requested_role=role, **data)
+        if not valid_node_id(node.node_id):
+            raise ValueError(f"node id {node.node_id[:80]!r} is not valid")
         return node.with_fence(Fence(**fence) if fence else None)
     except (TypeError, ValueError, KeyError) as exc:
         raise CorruptRecord(key, str(exc)) from exc
@@ -141,6 +196,9 @@ def decode_node(key: str, raw: bytes) -> NodeRecord:
 
 def decode_world(key: str, raw: bytes) -> World:
     data = _load(key, raw)
+    _check_types(key, data, _WORLD)
+    _strings(key, "ranks", data.get("ranks", ()))
+    _strings(key, "handed_over", data.get("handed_over", ()))
     try:
         data["ranks"] = tuple(data["ranks"])
         data["handed_over"] = tuple(data.get("handed_over", ()))
@@ -150,14 +208,18 @@ def decode_world(key: str, raw: bytes) -> World:
 
 
 def decode_event(key: str, raw: bytes) -> Event:
+    data = _load(key, raw)
+    _check_types(key, data, _EVENT)
     try:
-        return Event(**_load(key, raw))
+        return Event(**data)
     except TypeError as exc:
         raise CorruptRecord(key, str(exc)) from exc
 
 
 def decode_leader(key: str, raw: bytes) -> LeaderInfo:
+    data = _load(key, raw)
+    _check_types(key, data, _LEADER)
     try:
-        return LeaderInfo(**_load(key, raw))
+        return LeaderInfo(**data)
     except TypeError as exc:
         raise CorruptRecord(key, str(exc)) from exc

@@ -179,3 +179,15 @@ def plan(
                    for k, v in updates.items()}
     summary = new_world.reason if new_world else "; ".join(e[2] for e in events)
     return Plan(new_world, tuple(updates.values()), tuple(events), summary, tuple(dead))
+
+
+def collectable(now_unix: float, world: World, nodes: Mapping[str, NodeRecord], retention_s: float,
+                keep: Collection[str] = (), limit: int = 50) -> list[str]:
+    """Node records that may be removed: fenced more than ``retention_s`` ago, holding no rank, and
+    not in ``keep`` (a pending drain, a hang report, an open heartbeat stream). Oldest fence first,
+    at most ``limit`` (one commit's worth); a fenced node that registered again has no fence."""
+    ranked = set(world.ranks)
+    old = [(n.fence.at_unix_s, n.node_id) for n in nodes.values()
+           if n.fence is not None and n.fence.at_unix_s + retention_s < now_unix
+           and n.node_id not in ranked and n.node_id not in keep]
+    return [node_id for _, node_id in sorted(old)[:limit]]

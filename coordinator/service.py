@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc import aio
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
-from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ftd.authz import AuthzFacts
+from ftd.pki import Identity
+from ftd.v1 import checkpoint_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from . import errors
 from .client import LEADER_METADATA_KEY
@@ -62,20 +64,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def ListNodes(self, request: coordinator_pb2.ListNodesRequest,
                         context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ListNodesResponse:
         async def nodes() -> coordinator_pb2.ListNodesResponse:
-            return self.ctl.nodes()
+            return self.ctl.nodes(request)
         return await self._unary(context, nodes)
 
     async def ListEvents(self, request: coordinator_pb2.ListEventsRequest,
                          context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.ListEventsResponse:
-        limit = request.limit or 100
-        if limit > 10000:
-            await _abort(context, errors.InvalidArgument("limit", f"at most 10000, got {limit}"))
-        events = await self._unary(context, lambda: self.ctl.events(limit))
-        return coordinator_pb2.ListEventsResponse(events=[
-            cluster_pb2.Event(seq=e.seq, at_unix_s=e.at_unix_s, kind=e.kind, node_id=e.node_id, epoch=e.epoch,
-                              message=e.message)
-            for e in events
-        ])
+        return await self._unary(context, lambda: self.ctl.event_page(request))
 
     # ---- checkpoint catalog --------------------------------------------------------------------
 
@@ -94,13 +88,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def ListCheckpoints(self, request: checkpoint_pb2.ListCheckpointsRequest,
                               context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.ListCheckpointsResponse:
         async def listed() -> checkpoint_pb2.ListCheckpointsResponse:
-            return checkpoint_pb2.ListCheckpointsResponse(checkpoints=self.ctl.catalog.list(request.job))
+            return self.ctl.catalog.list_page(request)
         return await self._unary(context, listed)
 
     async def GetRestoreTarget(self, request: checkpoint_pb2.GetRestoreTargetRequest,
                                context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RestoreTarget:
         async def target() -> checkpoint_pb2.RestoreTarget:
-            return self.ctl.catalog.restore_target(request.job)
+            return self.ctl.catalog.restore_target(request.job, request.world_size)
         return await self._unary(context, target)
 
     async def Rollback(self, request: checkpoint_pb2.RollbackRequest,
@@ -187,6 +181,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except Exception as exc:  # the client went away mid-read
             log.debug("heartbeat stream of %s ended: %r", stream.node_id, exc)
         stream.queue.put_nowait(None)
+
+
+def authz_facts(controller: Controller) -> Callable[[str, Identity, Mapping[str, object]], AuthzFacts]:
+    """What the authorization table's node rules need (:class:`~ftd.authz.AuthzFacts`), from the
+    leader's view, for :class:`ftd.rpc.Guard`: the host the calling node registered from, the members
+    of the request's job (its current round) and that round's rank 0. On a standby (or a leader that
+    cannot confirm its lease) every fact is unknown: the handler refuses the call there anyway
+    (``NotLeader``). A fact that is unknown on the leader is left to the handler, which acts on the
+    caller alone (``ReportHang`` of a job it does not know) or refuses (``SetRoundStore`` of another
+    round, or of a node that is not its rank 0: :func:`~.rendezvous.set_store`)."""
+    committer = controller.committer
+
+    def facts(method: str, identity: Identity, fields: Mapping[str, object]) -> AuthzFacts:
+        view = committer.view
+        if not committer.is_leader or view is None:
+            return AuthzFacts()
+        node = view.nodes.get(identity.name)
+        job = view.jobs.get(str(fields.get("job", "") or ""))
+        rank0 = None
+        if job is not None and job.members and fields.get("round") == job.round:
+            rank0 = job.members[0]
+        return AuthzFacts(registered_host=node.host if node is not None else None,
+                          job_members=frozenset(job.members) if job is not None else None,
+                          round_rank0=rank0)
+
+    return facts
 
 
 def add_to_server(server: aio.Server, controller: Controller) -> None:

@@ -6,7 +6,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftd.etcd_client import parse_endpoints
+from ftd.etcd_client import EtcdTls, parse_endpoints
+from ftd.pki import IdentityFiles, PkiError
 from ftd.rpc import parse_hostport
 from ftd.settings import require, setting
 
@@ -16,14 +17,23 @@ from .handover import HandoverPolicy
 ENV_PREFIX = "FTD_COORDINATOR_"
 
 
-
 @dataclass(frozen=True)
 class CoordinatorSettings:
     listen: str = setting("127.0.0.1:7400", "gRPC listen address HOST:PORT (port 0 picks a free one)")
     advertise: str = setting("", "address other processes reach this replica at (default: the bound listen address)")
     replica_id: str = setting("", "unique name of this replica (default: HOSTNAME-PID)")
     etcd_endpoints: str = setting("127.0.0.1:2379", "etcd v3 client endpoints, HOST:PORT[,HOST:PORT...]")
-    cluster: str = setting("default", "cluster name; all keys live under /ftd/<cluster>/ in etcd")
+    cluster: str = setting("default", "cluster name; all keys live under /ftd/<cluster>/ in etcd; with pki_dir also "
+                                      "the cluster of the PKI (certificates of another cluster are refused)")
+    pki_dir: Path | None = setting(
+        None, "mutual TLS and authorization on the gRPC listener: the PKI directory holding ca.crt and "
+              "coordinators/<replica_id>.crt|.key (docs/security.md); empty: plaintext, no authorization "
+              "(tests only: anyone who reaches the port may do anything)")
+    etcd_ca_file: Path | None = setting(None, "TLS to etcd: the CA certificate of etcd's members (empty: plaintext)")
+    etcd_cert_file: Path | None = setting(
+        None, "TLS to etcd: the client certificate for etcd's --client-cert-auth (its CN, ftd-coordinator, is the "
+              "etcd user); with etcd_key_file")
+    etcd_key_file: Path | None = setting(None, "TLS to etcd: the key of etcd_cert_file")
     etcd_timeout_s: float = setting(2.0, "deadline of one etcd call", "s")
     leader_ttl_s: int = setting(3, "TTL of the leader lease; a dead leader is replaced after about this long", "s")
     suspect_after_s: float = setting(1.2, "heartbeat silence after which a node is shown as suspect", "s")
@@ -49,6 +59,12 @@ class CoordinatorSettings:
         5.0, "a planned hand-over is committed at least this long before the notice's deadline", "s")
     handover_max_wait_s: float = setting(
         60.0, "without a deadline, how long a hand-over waits for the job's final checkpoint", "s")
+    fenced_node_retention_s: float = setting(
+        86400.0, "a fenced node's record is deleted this long after its fence (0: kept for ever)", "s")
+    write_rate_per_node_s: float = setting(
+        10.0, "writes per second one node may make (Register, CommitShard, RecordCopy, ReportHang, JoinRound); "
+              "0: unlimited", "1/s")
+    write_burst_per_node: float = setting(60.0, "burst of writes one node may make at once", "writes")
     metrics_listen: str = setting("127.0.0.1:9401", "Prometheus /metrics address HOST:PORT (empty: disabled)")
     ready_file: Path | None = setting(None, "write {pid, address, metrics} JSON here once serving")
     log_level: str = setting("INFO", "log level: DEBUG, INFO, WARNING, ERROR")
@@ -66,6 +82,17 @@ class CoordinatorSettings:
         except ValueError as exc:
             require(False, "etcd_endpoints", str(exc))
         require(bool(self.cluster) and "/" not in self.cluster, "cluster", "must be non-empty without '/'")
+        require(self.pki_dir is None or bool(self.replica_id), "replica_id",
+                "must be set with pki_dir: it names this replica's certificate, coordinators/<replica_id>.crt")
+        if self.pki_dir is not None and self.replica_id:
+            try:
+                _ = self.identity
+            except PkiError as exc:
+                require(False, "replica_id", str(exc))
+        require((self.etcd_cert_file is None) == (self.etcd_key_file is None), "etcd_cert_file",
+                "give etcd_cert_file and etcd_key_file together, or neither")
+        require(self.etcd_cert_file is None or self.etcd_ca_file is not None, "etcd_ca_file",
+                "is required with etcd_cert_file (TLS to etcd)")
         require(self.etcd_timeout_s > 0, "etcd_timeout_s", f"must be > 0 (got {self.etcd_timeout_s})")
         require(self.leader_ttl_s >= 2, "leader_ttl_s",
                 f"must be >= 2 (etcd's minimum lease TTL), got {self.leader_ttl_s}")
@@ -84,6 +111,12 @@ class CoordinatorSettings:
         require(self.etcd_max_txn_ops >= 32, "etcd_max_txn_ops", f"must be >= 32 (got {self.etcd_max_txn_ops})")
         require(self.spare_health_max_age_s > 0, "spare_health_max_age_s",
                 f"must be > 0 (got {self.spare_health_max_age_s})")
+        require(self.fenced_node_retention_s >= 0, "fenced_node_retention_s",
+                f"must be >= 0 (got {self.fenced_node_retention_s})")
+        require(self.write_rate_per_node_s >= 0, "write_rate_per_node_s",
+                f"must be >= 0 (got {self.write_rate_per_node_s})")
+        require(self.write_burst_per_node >= 1, "write_burst_per_node",
+                f"must be >= 1 (got {self.write_burst_per_node})")
         require(self.handover_margin_s >= 0, "handover_margin_s", f"must be >= 0 (got {self.handover_margin_s})")
         require(self.handover_max_wait_s > 0, "handover_max_wait_s",
                 f"must be > 0 (got {self.handover_max_wait_s})")
@@ -103,6 +136,20 @@ class CoordinatorSettings:
     @property
     def handover(self) -> HandoverPolicy:
         return HandoverPolicy(self.handover_margin_s, self.handover_max_wait_s)
+
+    @property
+    def identity(self) -> IdentityFiles | None:
+        """This replica's certificate files (``None``: plaintext gRPC)."""
+        if self.pki_dir is None:
+            return None
+        return IdentityFiles(self.pki_dir, "coordinator", self.replica_id)
+
+    @property
+    def etcd_tls(self) -> EtcdTls | None:
+        """TLS towards etcd (``None``: plaintext)."""
+        if self.etcd_ca_file is None:
+            return None
+        return EtcdTls(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file)
 
     @property
     def effective_replica_id(self) -> str:

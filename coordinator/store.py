@@ -18,8 +18,13 @@ nothing is known to be written), :class:`StaleStateError` (a guard failed; nothi
 :class:`StoreRejected` (the store refused the request itself, e.g. a transaction over etcd's
 ``--max-txn-ops`` or a full database; resending it unchanged will not help).
 
-A commit costs ``len(nodes) + len(events) + 3`` operations (+1 with a world); callers keep it under
-``MAX_TXN_OPS`` (etcd's default ``--max-txn-ops``).
+A commit costs ``len(nodes) + len(node_deletes) + len(events) + 3`` operations (+1 with a world);
+callers keep it under ``MAX_TXN_OPS`` (etcd's default ``--max-txn-ops``).
+
+Stored records that do not decode never fail a ``load()``: they are skipped and named in
+``Snapshot.problems`` (one bad key must not take the leader down). ``alarms()`` names etcd's raised
+alarms (``nospace``, ``corrupt``); while ``nospace`` is raised every commit is
+:class:`StoreRejected` with a message saying how to free space.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .model import Event, LeaderInfo, NodeRecord, World
+from .model import Event, LeaderInfo, NodeRecord, World, clip_event
 
 
 class StoreError(Exception):
@@ -56,10 +61,14 @@ class StoreRejected(StoreError):
 
 
 MAX_TXN_OPS = 128
+NOSPACE = "nospace"
+NOSPACE_HINT = ("etcd's database is full (NOSPACE alarm): nothing was written and no membership change can be "
+                "committed until an operator frees space: compact (etcdctl compact <revision>), defragment every "
+                "member (etcdctl defrag), then etcdctl alarm disarm; raise --quota-backend-bytes if it fills again")
 
 
 def commit_ops(nodes: int, events: int, world: bool, kv: int = 0) -> int:
-    """Operations one commit takes: puts, the event prune, the world read-back, the world put."""
+    """Operations one commit takes: puts and deletes, the event prune, the world read-back, the world put."""
     return nodes + events + kv + 2 + (1 if world else 0)
 
 
@@ -81,6 +90,7 @@ class Snapshot:
     last_event_seq: int
     leader: LeaderInfo | None
     kv: dict[str, bytes] = field(default_factory=dict)  # other subsystems' records (the checkpoint catalog)
+    problems: tuple[str, ...] = ()  # records that did not decode and were skipped, naming their keys
 
 
 @dataclass(frozen=True)
@@ -113,9 +123,14 @@ class StateStore(Protocol):
         prune_events_below: int = 0,
         kv_puts: Mapping[str, bytes] | None = None,
         kv_deletes: Sequence[str] = (),
+        node_deletes: Sequence[str] = (),
     ) -> CommitResult: ...
 
-    def list_events(self, limit: int) -> list[Event]: ...
+    def list_events(self, limit: int, before_seq: int = 0) -> list[Event]:
+        """The newest ``limit`` events, newest first; with ``before_seq`` only those below it."""
+
+    def alarms(self) -> list[str]:
+        """etcd's raised alarms (``nospace``, ``corrupt``), sorted; ``[]`` when none."""
 
     def current_leader(self) -> LeaderInfo | None: ...
 
@@ -152,6 +167,8 @@ class MemoryStore:
     world_revision: int = 0
     events: dict[int, Event] = field(default_factory=dict)
     kv: dict[str, bytes] = field(default_factory=dict)
+    raised: list[str] = field(default_factory=list)  # alarms, as etcd would raise them (tests set this)
+    corrupt: dict[str, str] = field(default_factory=dict)  # key -> problem: records that "do not decode"
     revision: int = 0
     writes: int = 0
     _leader: _MemLease | None = None
@@ -181,7 +198,8 @@ class MemoryStore:
             self._check("load")
             last = max(self.events, default=0)
             leader = self._leader.lease.leader if self._leader else None
-            return Snapshot(dict(self.nodes), self.world, self.world_revision, last, leader, dict(self.kv))
+            return Snapshot(dict(self.nodes), self.world, self.world_revision, last, leader, dict(self.kv),
+                            tuple(self.corrupt.values()))
 
     def commit(
         self,
@@ -192,15 +210,19 @@ class MemoryStore:
         prune_events_below: int = 0,
         kv_puts: Mapping[str, bytes] | None = None,
         kv_deletes: Sequence[str] = (),
+        node_deletes: Sequence[str] = (),
     ) -> CommitResult:
         kv_puts = kv_puts or {}
         with self._lock:
             self._check("commit")
             for key in [*kv_puts, *kv_deletes]:
                 check_kv_key(key)
-            ops = commit_ops(len(nodes), len(events), world is not None, len(kv_puts) + len(kv_deletes))
+            ops = commit_ops(len(nodes) + len(node_deletes), len(events), world is not None,
+                             len(kv_puts) + len(kv_deletes))
             if ops > self.max_txn_ops:
                 raise StoreRejected("commit", f"too many operations in txn request ({ops} > {self.max_txn_ops})")
+            if NOSPACE in self.raised:
+                raise StoreRejected("commit", NOSPACE_HINT)
             if self._leader is None or self._leader.lease.leader != guard.leader:
                 raise StaleStateError(f"{guard.leader.replica_id} is not the leader")
             if world is not None and guard.world_revision != self.world_revision:
@@ -211,11 +233,14 @@ class MemoryStore:
             self.writes += 1
             for node in nodes:
                 self.nodes[node.node_id] = node
+            for node_id in node_deletes:
+                self.nodes.pop(node_id, None)
+                self.corrupt.pop(f"nodes/{node_id}", None)
             if world is not None:
                 self.world = world
                 self.world_revision = self.revision
             for event in events:
-                self.events[event.seq] = event
+                self.events[event.seq] = clip_event(event)
             for seq in [s for s in self.events if s < prune_events_below]:
                 del self.events[seq]
             for key in kv_deletes:
@@ -223,10 +248,16 @@ class MemoryStore:
             self.kv.update(kv_puts)
             return CommitResult(self.world_revision)
 
-    def list_events(self, limit: int) -> list[Event]:
+    def list_events(self, limit: int, before_seq: int = 0) -> list[Event]:
         with self._lock:
             self._check("list_events")
-            return [self.events[s] for s in sorted(self.events, reverse=True)[:limit]]
+            seqs = sorted((s for s in self.events if before_seq <= 0 or s < before_seq), reverse=True)
+            return [self.events[s] for s in seqs[:limit]]
+
+    def alarms(self) -> list[str]:
+        with self._lock:
+            self._check("alarms")
+            return sorted(set(self.raised))
 
     def current_leader(self) -> LeaderInfo | None:
         with self._lock:
@@ -238,6 +269,8 @@ class MemoryStore:
             self._check("campaign")
             if self._leader is not None:
                 return None
+            if NOSPACE in self.raised:  # etcd refuses to grant a lease while its database is full
+                raise StoreRejected("campaign", NOSPACE_HINT)
             lease = Lease(self._next_lease, ttl_s, new_leader_info(replica_id, address, now_unix))
             self._next_lease += 1
             self._leader = _MemLease(lease, self.clock() + ttl_s)

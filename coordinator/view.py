@@ -13,12 +13,18 @@ from dataclasses import dataclass, field
 from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import handover, rendezvous
+from . import handover, limits, rendezvous
 from .detector import Liveness, State, Verdict
 from .model import NodeRecord, Role, World
 from .store import Snapshot
 
 INLINE_WORLD_MAX = 256  # above this many ranks an assignment carries world_size only
+MAX_PROBLEMS_SHOWN = 50  # problems listed in ClusterStatus; the rest are counted
+ALARM_HINTS = {
+    "nospace": "etcd's database is full and every write is refused (no fencing, no promotion): compact, "
+               "defragment every member, then etcdctl alarm disarm",
+    "corrupt": "etcd members' data disagree: restore the member named by etcdctl alarm list from a healthy one",
+}
 _STATE_NAMES = {cluster_pb2.NODE_STATE_ALIVE: "alive", cluster_pb2.NODE_STATE_SUSPECT: "suspect",
                 cluster_pb2.NODE_STATE_DEAD: "dead", cluster_pb2.NODE_STATE_FENCED: "fenced"}
 
@@ -53,7 +59,8 @@ class ClusterView:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     catalog: ckpt.Catalog = field(default_factory=dict)
     rollbacks: dict[str, ckpt.Rollback] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)  # records that did not load
+    problems: list[str] = field(default_factory=list)  # records that did not load (skipped), by key
+    etcd_alarms: list[str] = field(default_factory=list)  # etcd's raised alarms, as last polled
     jobs: dict[str, rendezvous.JobState] = field(default_factory=dict)
     forced_dead: dict[str, str] = field(default_factory=dict)  # node -> why (a hung node reported itself)
     stalls: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, round) -> nodes stalled
@@ -69,7 +76,8 @@ class ClusterView:
         for node_id, node in view.nodes.items():
             view.liveness[node_id] = Liveness(last_seen=now, grace_until=now + grace_s)
             view.runtime[node_id] = Runtime(incarnation=node.incarnation)
-        view.catalog, view.rollbacks, view.problems = ckpt.decode_all(snap.kv)
+        view.catalog, view.rollbacks, catalog_problems = ckpt.decode_all(snap.kv)
+        view.problems = [*snap.problems, *catalog_problems]
         for key, raw in snap.kv.items():
             if key.startswith("jobs/"):
                 try:
@@ -84,6 +92,12 @@ class ClusterView:
                 except (ValueError, TypeError, KeyError) as exc:
                     view.problems.append(f"drain record {key!r} is corrupt: {exc}")
         return view
+
+    def forget(self, node_id: str) -> None:
+        """Drops what memory holds about a node whose record was removed (committed already)."""
+        self.nodes.pop(node_id, None)
+        for table in (self.liveness, self.runtime, self.verdicts, self.forced_dead, self.drains):
+            table.pop(node_id, None)
 
     def newest_restorable(self, job: str) -> int:
         """The newest step of ``job`` that can be restored (-1: none)."""
@@ -176,27 +190,41 @@ class ClusterView:
             dead=dead, suspect=suspect, degraded=world.degraded, degraded_reason=degraded_reason,
             last_change_reason=world.reason, last_change_unix_s=world.changed_unix_s,
             leader_since_unix_s=leader_since, etcd_reachable=etcd_ok, draining=sorted(self.drains),
+            problems=[limits.clip(p, 500) for p in self.problems[:MAX_PROBLEMS_SHOWN]]
+            + ([f"... and {len(self.problems) - MAX_PROBLEMS_SHOWN} more"] if len(self.problems) > MAX_PROBLEMS_SHOWN
+               else []),
+            etcd_alarms=[f"{a}: {ALARM_HINTS.get(a, 'see etcdctl alarm list')}" for a in self.etcd_alarms],
         )
 
+    def node_page(self, now: float, page_size: int = 0, page_token: str = "") -> coordinator_pb2.ListNodesResponse:
+        """One page of :meth:`node_infos` in node id order: at most ``page_size`` nodes (0: the
+        default) and :data:`~.limits.MAX_PAGE_BYTES`; ``page_token`` is the last node id of the
+        previous page, ``next_page_token`` is "" on the last page."""
+        page = limits.page(page_size, page_token)
+        ids = sorted(n for n in self.nodes if n > page.token)
+        infos, more = limits.take_page((self.node_info(n, now) for n in ids), page.size,
+                                       coordinator_pb2.NodeInfo.ByteSize)
+        return coordinator_pb2.ListNodesResponse(nodes=infos, next_page_token=infos[-1].node_id if more else "")
+
     def node_infos(self, now: float) -> list[coordinator_pb2.NodeInfo]:
-        out = []
-        for node_id in sorted(self.nodes):
-            node = self.nodes[node_id]
-            rt = self.runtime.get(node_id) or Runtime()
-            state, reason = self.state_of(node_id)
-            info = coordinator_pb2.NodeInfo(
-                node_id=node_id, host=node.host, pid=node.pid,
-                role=_ROLE[Role.ACTIVE if self.rank_of(node_id) >= 0 else Role.SPARE],
-                state=state, rank=self.rank_of(node_id), epoch=rt.known_epoch,
-                last_heartbeat_age_s=(now - rt.last_heartbeat) if rt.last_heartbeat is not None else -1.0,
-                labels=dict(node.labels), agent_address=node.agent_address, state_reason=reason,
-            )
-            if rt.health is not None:
-                info.health.CopyFrom(rt.health)
-            if rt.progress is not None:
-                info.progress.CopyFrom(rt.progress)
-            out.append(info)
-        return out
+        return [self.node_info(node_id, now) for node_id in sorted(self.nodes)]
+
+    def node_info(self, node_id: str, now: float) -> coordinator_pb2.NodeInfo:
+        node = self.nodes[node_id]
+        rt = self.runtime.get(node_id) or Runtime()
+        state, reason = self.state_of(node_id)
+        info = coordinator_pb2.NodeInfo(
+            node_id=node_id, host=node.host, pid=node.pid,
+            role=_ROLE[Role.ACTIVE if self.rank_of(node_id) >= 0 else Role.SPARE],
+            state=state, rank=self.rank_of(node_id), epoch=rt.known_epoch,
+            last_heartbeat_age_s=(now - rt.last_heartbeat) if rt.last_heartbeat is not None else -1.0,
+            labels=dict(node.labels), agent_address=node.agent_address, state_reason=reason,
+        )
+        if rt.health is not None:
+            info.health.CopyFrom(rt.health)
+        if rt.progress is not None:
+            info.progress.CopyFrom(rt.progress)
+        return info
 
     def counts(self) -> dict[str, int]:
         counts = dict.fromkeys(_STATE_NAMES.values(), 0)

@@ -16,7 +16,9 @@ from ftd.coordinator.client import CoordinatorClient
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
-TIERS = ("ssd", "hdd", "s3")
+TIERS = ("mem", "ssd", "hdd", "s3")
+SHARED = ("shared", "s3")  # copies any node can read, whoever wrote them
+_GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
 
 
 class CheckpointCommandError(RuntimeError):
@@ -24,8 +26,7 @@ class CheckpointCommandError(RuntimeError):
 
 
 def checkpoints(client: CoordinatorClient, job: str = "") -> list[Any]:
-    return list(client.call("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job=job),
-                            idempotent=True).checkpoints)
+    return list(client.checkpoints(job))
 
 
 def resolve_job(client: CoordinatorClient, job: str | None) -> str:
@@ -38,12 +39,33 @@ def resolve_job(client: CoordinatorClient, job: str | None) -> str:
     raise CheckpointCommandError(f"name the job with --job ({known})")
 
 
-def as_dict(c: Any) -> dict[str, Any]:
-    return {
+def alive_nodes(client: CoordinatorClient) -> set[str]:
+    return {n.node_id for n in client.nodes().nodes if n.state not in _GONE}
+
+
+def reachable_sources(c: Any, alive: set[str]) -> dict[int, list[str]]:
+    """Per rank, the good copies that can be read right now: on a shared tier (HDD mount, S3), or on
+    a node whose agent is alive (its own memory or SSD, served to others over the peer copy path)."""
+    out: dict[int, list[str]] = {}
+    for shard in c.shards:
+        bad = set(shard.bad)
+        out[shard.rank] = [str(CopyRef(cp.tier, cp.location)) for cp in shard.copies
+                           if str(CopyRef(cp.tier, cp.location)) not in bad
+                           and (cp.location in SHARED or cp.location in alive)]
+    return out
+
+
+def as_dict(c: Any, alive: set[str] | None = None) -> dict[str, Any]:
+    row: dict[str, Any] = {
         "job": c.job, "step": c.step, "valid": c.valid, "status": c.status, "epoch": c.epoch,
         "world_size": c.world_size, "format": c.format, "bytes": c.bytes, "created_unix_s": c.created_unix_s,
-        "tiers": {t: bool(c.on_tier.get(t, False)) for t in TIERS},
+        "tiers": {t: bool(c.on_tier.get(t, False)) for t in TIERS}, "cadence": c.cadence,
     }
+    if alive is not None:
+        sources = reachable_sources(c, alive)
+        unreachable = sorted(r for r in range(c.world_size) if not sources.get(r))
+        row.update(sources=sources, restorable_now=c.valid and not unreachable, unreachable_ranks=unreachable)
+    return row
 
 
 def rollback(client: CoordinatorClient, job: str, step: int) -> dict[str, Any]:
@@ -78,7 +100,7 @@ def verify(client: CoordinatorClient, job: str, step: int,
         if node is None or node.state != cluster_pb2.NODE_STATE_ALIVE:
             row.update(ok=False, error=f"no alive agent can read {CopyRef(copy.tier, copy.location)}", checked=False)
         else:
-            with rpc.channel(node.agent_address) as ch:
+            with rpc.channel(node.agent_address, tls=client.tls) as ch:
                 try:
                     r = agent_pb2_grpc.AgentStub(ch).VerifyCopy(agent_pb2.VerifyCopyRequest(
                         job=job, step=step, rank=shard.rank, tier=copy.tier), timeout=3600)
@@ -129,7 +151,7 @@ def migrations(client: CoordinatorClient) -> list[dict[str, Any]]:
     for node in client.nodes().nodes:
         if node.state != cluster_pb2.NODE_STATE_ALIVE or not node.agent_address:
             continue
-        with rpc.channel(node.agent_address) as ch:
+        with rpc.channel(node.agent_address, tls=client.tls) as ch:
             try:
                 info = agent_pb2_grpc.AgentStub(ch).GetInfo(agent_pb2.GetInfoRequest(), timeout=5)
             except grpc.RpcError:

@@ -1,8 +1,12 @@
 """``ftctl``: the operator CLI, a thin ``main(argv)`` over :mod:`ftd.coordinator.client`,
 :mod:`.localcluster` and :mod:`.drill`. Every read command takes ``--json``.
 
-Exit codes: 0 ok, 1 the operation ran and failed (a drill missed its target, a cluster did not form),
-2 bad usage, 3 the coordinator could not be reached.
+Exit codes: 0 ok, 1 the operation ran and failed (a drill missed its target, a cluster did not form,
+a certificate is missing or bad), 2 bad usage, 3 the coordinator could not be reached.
+
+mTLS: ftctl talks to coordinators and agents as an operator, ``operators/<name>`` (``--operator``;
+``operator.crt`` by default) of the PKI directory ``--pki-dir`` / ``$FTD_PKI_DIR``, else the one of the
+local cluster in ``--workdir``. Without any, it tries plaintext (a cluster without ``pki_dir``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from ftd import pki
 from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
@@ -29,6 +34,8 @@ from .json_shapes import node_dict, status_dict
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
 ENV_DRILL_TOKEN = "FTD_DRILL_TOKEN"
+ENV_PKI_DIR = certs.ENV_PKI_DIR
+ENV_OPERATOR = "FTD_OPERATOR"
 DEFAULT_COORDINATOR = "127.0.0.1:7400"
 
 
@@ -40,11 +47,16 @@ class UsageError(Exception):
     pass
 
 
-def _global_options(p: argparse.ArgumentParser) -> None:
+def _global_options(p: argparse.ArgumentParser, pki_dir: bool = True) -> None:
     p.add_argument("--coordinator", help=f"coordinator replicas HOST:PORT[,HOST:PORT...] (env {ENV_COORDINATOR}; "
                                          f"default: DIR/cluster.json with --workdir, else {DEFAULT_COORDINATOR})")
     p.add_argument("--workdir", type=Path, help="a local cluster started by 'ftctl up' (reads DIR/cluster.json)")
     p.add_argument("--timeout", type=float, help="per-call deadline [s] (default 5)")
+    if pki_dir:  # ftctl certs has its own --pki-dir (the same meaning)
+        p.add_argument("--pki-dir", type=Path, help=f"the cluster PKI: mTLS as an operator (env {ENV_PKI_DIR}; "
+                                                    "default: the local cluster's with --workdir, else plaintext)")
+    p.add_argument("--operator", help=f"the operator certificate to use, operators/NAME (env {ENV_OPERATOR}; "
+                                      "default: operator.crt)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,11 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     # The global options are accepted after the command too (ftctl up --workdir DIR).
     common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     _global_options(common)
+    common_certs = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    _global_options(common_certs, pki_dir=False)
     sub = p.add_subparsers(dest="command", required=True)
     _add = sub.add_parser
 
     def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
-        return _add(name, parents=[common], **kw)
+        return _add(name, parents=[common_certs if name == "certs" else common], **kw)
 
     sub.add_parser = add_parser  # type: ignore[method-assign]
 
@@ -127,7 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--hang-node", metavar="NODE", help="SIGSTOP this node's training workers (a hang)")
     d.add_argument("--target-recover-s", type=float, default=60.0, help="recovery SLO [s] (default 60)")
     d.add_argument("--report", type=Path, help="also write an HTML report with a timeline chart to this file")
-    d.add_argument("--token", help=f"drill token (env {ENV_DRILL_TOKEN}; default: from --workdir)")
+    d.add_argument("--token-file", type=Path,
+                   help=f"only for agents configured with a drill token (a second factor to the operator "
+                        f"certificate): a file holding it (or env {ENV_DRILL_TOKEN})")
     d.add_argument("--target-detect-s", type=float, default=3.0, help="detection SLO [s] (default 3)")
     d.add_argument("--drill-timeout", type=float, default=180.0, help="give up measuring after [s]")
     d.add_argument("--json", action="store_true")
@@ -155,10 +171,42 @@ def _resolve_coordinator(args: argparse.Namespace, env: dict[str, str]) -> str:
 
 
 def _resolve_token(args: argparse.Namespace, env: dict[str, str]) -> str:
-    found = _flag_or_env(args, env, "token", ENV_DRILL_TOKEN, lambda c: c.drill_token, secret=True)
-    if found is None:
-        raise UsageError(f"a drill needs the drill token: --token, {ENV_DRILL_TOKEN}, or --workdir of a local cluster")
-    return found
+    """The optional second factor of a drill ("" = none: the operator certificate authorises it)."""
+    path: Path | None = args.token_file
+    from_env = env.get(ENV_DRILL_TOKEN)
+    if path is not None and from_env:
+        raise UsageError(f"--token-file conflicts with {ENV_DRILL_TOKEN}; unset one of them")
+    if path is None:
+        return from_env or ""
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--token-file {path} is unreadable: {exc.strerror or exc}") from exc
+    if not token:
+        raise UsageError(f"--token-file {path} is empty")
+    return token
+
+
+def resolve_identity(args: argparse.Namespace, env: dict[str, str]) -> pki.IdentityFiles | None:
+    """The operator certificate ftctl dials with: ``--pki-dir``/``$FTD_PKI_DIR``, else the local
+    cluster's of ``--workdir``; ``None`` (plaintext) when there is none. Loaded once here, so that a
+    missing or bad file is reported by name (:class:`~ftd.pki.PkiError`)."""
+    given, from_env = getattr(args, "pki_dir", None), env.get(ENV_PKI_DIR)
+    if given and from_env and Path(from_env) != given:
+        raise UsageError(f"--pki-dir={given} conflicts with {ENV_PKI_DIR}={from_env}; unset one of them")
+    root = given or (Path(from_env) if from_env else None)
+    if root is None and args.workdir is not None:
+        cluster = localcluster.ClusterFile.load(args.workdir.resolve())
+        root = Path(cluster.pki_dir) if cluster.pki_dir else None
+    if root is None:
+        return None
+    name = args.operator or env.get(ENV_OPERATOR) or pki.DEFAULT_OPERATOR
+    try:
+        files = pki.IdentityFiles(root, "operator", name)
+    except pki.PkiError as exc:
+        raise UsageError(str(exc)) from exc
+    files.load()
+    return files
 
 
 def _print_json(data: Any) -> None:
@@ -175,8 +223,8 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
                                   s3_bucket=args.s3_bucket)
         print(f"cluster up in {cluster.workdir}: {args.nodes} active + {args.spares} spare nodes, "
               f"etcd {cluster.etcd_endpoints}")
-        print(f"coordinator: {cluster.coordinator_endpoints}")
-        print(f"  export {ENV_COORDINATOR}={cluster.coordinator_endpoints}")
+        print(f"coordinator: {cluster.coordinator_endpoints} (mTLS; operator certificate in {cluster.pki_dir})")
+        print(f"  export {ENV_COORDINATOR}={cluster.coordinator_endpoints} {ENV_PKI_DIR}={cluster.pki_dir}")
         return 0
     if args.command == "demo":
         say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -196,8 +244,9 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         print(f"stopped {len(stopped)} processes: {', '.join(stopped) or 'none were running'}")
         return 0
 
+    tls = resolve_identity(args, env)
     try:
-        client = CoordinatorClient(_resolve_coordinator(args, env), timeout_s=args.timeout or 5.0)
+        client = CoordinatorClient(_resolve_coordinator(args, env), timeout_s=args.timeout or 5.0, tls=tls)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     try:
@@ -268,7 +317,8 @@ def _checkpoints(client: CoordinatorClient, args: argparse.Namespace) -> int:
         return 0
     job = checkpoints.resolve_job(client, args.job)
     if args.ck_command == "list":
-        rows = [checkpoints.as_dict(c) for c in checkpoints.checkpoints(client, job)]
+        alive = checkpoints.alive_nodes(client)
+        rows = [checkpoints.as_dict(c, alive) for c in checkpoints.checkpoints(client, job)]
         _print_json(rows) if args.json else print(render.checkpoints(rows))
         return 0
     if args.ck_command == "rollback":
@@ -305,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ftctl: coordinator answered {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
         return 1
     except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError, DrainTimeout,
-            health.HealthCommandError) as exc:
+            health.HealthCommandError, pki.PkiError) as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 1
 

@@ -2,7 +2,8 @@
 
 Starts a local cluster on the embedded default (etcd started for you; each node's SSD tier and a
 shared HDD tier as local directories; S3 only with ``--s3-endpoint``), trains a small real model with
-DDP on gloo through torchrun + the ftd rendezvous (2 active nodes and a hot spare), checkpoints every
+DDP on gloo with the ftd rendezvous on the warm path (standby workers with torch imported, started by
+the agents; 2 active nodes and a hot spare), checkpoints every
 few steps, kills an active node for real, waits for the spare to take its rank and the training to
 resume from the last valid checkpoint, prints the timeline, and tears everything down.
 """
@@ -15,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftd.coordinator.client import CoordinatorClient
 from ftd.testing import wait_for
 from ftd.v1 import checkpoint_pb2
 
@@ -44,11 +44,12 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
         job="demo", min_nodes=nodes)
     mark(f"starting etcd, a coordinator and {nodes} active + {spares} spare agents in {work}")
     cluster = localcluster.up(work / "cluster", nodes, spares, s3_endpoint=s3_endpoint, train=train)
-    client = CoordinatorClient(cluster.coordinator_endpoints)
+    client = cluster.client()
     try:
         before = status_dict(client.status())
         mark(f"cluster formed: epoch {before['epoch']}, world {before['world']}, hot spare(s) {before['spares']}")
-        mark("training a small MLP with DDP on gloo through torchrun --rdzv-backend=ftd ...")
+        mark("training a small MLP with DDP on gloo: the agents activate standby workers (torch already "
+             "imported) through the ftd rendezvous ...")
 
         def progress() -> int:
             steps_seen = [n.progress.step for n in client.nodes().nodes if n.HasField("progress")]
@@ -71,7 +72,7 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
         else:
             mark(f"step {progress()}, newest valid checkpoint at step {valid_step()}; killing {victim} "
                  f"(rank {len(before['world']) - 1}) for real: its agent SIGKILLs its workers, then itself")
-            result = drill.run(client, victim, cluster.drill_token, "node", timeout_s=timeout_s)
+            result = drill.run(client, victim, mode="node", timeout_s=timeout_s)
         for t, what in result.timeline[1:]:
             mark(f"  +{t:.2f}s {what}")
         if result.resumed_step is not None:
@@ -82,8 +83,7 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
         mark(f"verdict: {result.verdict}")
         after = status_dict(client.status())
         ckpts = [{"step": c.step, "valid": c.valid, "bytes": c.bytes, "tiers": dict(c.on_tier)}
-                 for c in client.call("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job="demo"),
-                                      idempotent=True).checkpoints]
+                 for c in client.checkpoints("demo")]
         valid = [c["step"] for c in ckpts if c["valid"]]
         mark(f"checkpoints: {len(ckpts)} in the catalog, valid steps {valid[-3:]} (last three kept per tier)")
         return {"mode": result.mode, "passed": result.passed, "lost_steps": result.lost_steps,

@@ -89,7 +89,7 @@ def _progress(client: CoordinatorClient, world: list[str]) -> list[tuple[int, fl
             if n.node_id in world and n.HasField("progress") and n.progress.step >= 0]
 
 
-def run(client: CoordinatorClient, node_id: str, token: str, mode: str = "node", target_detect_s: float = 3.0,
+def run(client: CoordinatorClient, node_id: str, token: str = "", mode: str = "node", target_detect_s: float = 3.0,
         target_recover_s: float = 60.0, timeout_s: float = 180.0, reason: str = "ftctl drill") -> DrillResult:
     if mode not in MODES:
         raise DrillError(f"unknown drill mode {mode!r}; one of {', '.join(MODES)}")
@@ -109,10 +109,13 @@ def run(client: CoordinatorClient, node_id: str, token: str, mode: str = "node",
     steps_before = _progress(client, world_before) if job else []
     last_step_before = max((s for s, _ in steps_before), default=None)
 
-    with rpc.channel(node.agent_address) as channel:
+    # The operator certificate of the client authorises the drill (the agent's authorization table);
+    # a token is only sent to agents that want one as a second factor.
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with rpc.channel(node.agent_address, tls=client.tls) as channel:
         try:
             agent_pb2_grpc.AgentStub(channel).Kill(agent_pb2.KillRequest(reason=reason, mode=MODES[mode]), timeout=5.0,
-                                                   metadata=(("authorization", f"Bearer {token}"),))
+                                                   metadata=metadata)
         except grpc.RpcError as exc:
             code = rpc_code(exc)
             raise DrillError(f"agent of {node_id} at {node.agent_address} refused the drill: "

@@ -31,7 +31,7 @@ def check(client: CoordinatorClient, node: str | None = None, timeout_s: float =
             rows.append(row)
             continue
         try:
-            with rpc.channel(n.agent_address) as channel:
+            with rpc.channel(n.agent_address, tls=client.tls) as channel:
                 verdict = agent_pb2_grpc.AgentStub(channel).CheckHealth(agent_pb2.CheckHealthRequest(),
                                                                         timeout=timeout_s)
         except grpc.RpcError as exc:

@@ -18,6 +18,7 @@ def status_dict(status: Any) -> dict[str, Any]:
         "degraded": status.degraded, "degraded_reason": status.degraded_reason,
         "last_change_reason": status.last_change_reason, "last_change_unix_s": status.last_change_unix_s,
         "etcd_reachable": status.etcd_reachable, "draining": list(status.draining),
+        "problems": list(status.problems), "etcd_alarms": list(status.etcd_alarms),
         "job": {"id": status.job, "round": status.job_round, "restarts": status.job_restarts,
                 "max_restarts": status.job_max_restarts, "closed": status.job_closed, "message": status.job_message,
                 "round_unix_s": status.job_round_unix_s} if status.job else None,

@@ -4,6 +4,13 @@ An etcd started for us on free loopback ports (data under the workdir: the embed
 more coordinator replicas, and N active + S spare agents, each with its own node directory. What was
 started is recorded in ``DIR/cluster.json``; ``down`` stops exactly those processes, after checking
 that each pid still runs a command line naming the workdir (a pid can be reused).
+
+Secure by default, as a real cluster: ``DIR/pki`` holds the cluster's PKI (:func:`ftd.pki.bootstrap`:
+a CA, the operator, and per node, coordinator and etcd member its certificate); every gRPC hop is
+mutual TLS with the authorization table enforced, the embedded etcd requires client certificates and
+has its auth on (:mod:`.etcd_server`), and drills are authorised by the operator certificate (no
+token anywhere). The process that ran :func:`up` dials the cluster with the operator certificate by
+default (:func:`ftd.coordinator.client.remember_identity`); ``ftctl --workdir DIR`` does too.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -20,9 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd import pki
+from ftd.coordinator.client import CoordinatorClient, remember_identity
 
 from .etcd_server import EtcdCluster
+
+CLUSTER = "local"  # the cluster name of every local cluster (its PKI and its coordinators' --cluster)
 
 
 class ClusterError(RuntimeError):
@@ -31,7 +40,8 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """A training job for every agent to run under torchrun + ftd (``ftctl up --train-cmd``)."""
+    """A training job for every agent to run with the ftd rendezvous (``ftctl up --train-cmd``): on the
+    warm path (standby workers started by the agent) or under ``torchrun --rdzv-backend=ftd``."""
 
     cmd: str
     job: str = "train"
@@ -39,11 +49,13 @@ class TrainOptions:
     min_nodes: int = 0  # 0: all the active nodes
     max_restarts: int = 10
     hang_timeout_s: float = 120.0
+    launcher: str = "warm"
 
     def agent_args(self, nodes: int) -> list[str]:
         return ["--train-cmd", self.cmd, "--train-job", self.job, "--nproc-per-node", str(self.nproc_per_node),
                 "--min-nodes", str(self.min_nodes or nodes), "--max-nodes", str(max(nodes, self.min_nodes)),
-                "--max-restarts", str(self.max_restarts), "--hang-timeout-s", str(self.hang_timeout_s)]
+                "--max-restarts", str(self.max_restarts), "--hang-timeout-s", str(self.hang_timeout_s),
+                "--launcher", self.launcher]
 
 
 @dataclass
@@ -59,17 +71,38 @@ class ClusterFile:
     coordinator_endpoints: str
     etcd_endpoints: str
     etcd_external: bool
-    drill_token: str
     etcd: list[Proc] = field(default_factory=list)
     coordinators: list[Proc] = field(default_factory=list)
     agents: list[Proc] = field(default_factory=list)
     created_unix_s: float = 0.0
     s3_endpoint: str = ""
     s3_bucket: str = ""
+    pki_dir: str = ""  # the cluster's PKI ("" : a plaintext cluster of an older ftctl)
+    cluster: str = CLUSTER
+    shared_hdd: bool = True  # False: each node's HDD tier is its own (no shared filesystem)
 
     @staticmethod
     def path(workdir: Path) -> Path:
         return workdir / "cluster.json"
+
+    @property
+    def drill_token(self) -> str:
+        """Always "": drills are authorised by the operator certificate (:meth:`operator`); kept for
+        callers of :func:`ftd.ftctl.drill.run`, whose ``token`` is an optional second factor."""
+        return ""
+
+    def identity(self, kind: str, name: str) -> pki.IdentityFiles | None:
+        """The certificate files of ``kind``/``name`` in this cluster's PKI (``None``: plaintext)."""
+        return pki.IdentityFiles(Path(self.pki_dir), kind, name) if self.pki_dir else None
+
+    @property
+    def operator(self) -> pki.IdentityFiles | None:
+        """The default operator's certificate: what ftctl and tests dial the cluster with."""
+        return self.identity("operator", pki.DEFAULT_OPERATOR)
+
+    def client(self, timeout_s: float = 5.0) -> CoordinatorClient:
+        """A client of this cluster's coordinators as its operator."""
+        return CoordinatorClient(self.coordinator_endpoints, timeout_s=timeout_s, tls=self.operator)
 
     def save(self) -> None:
         path = self.path(Path(self.workdir))
@@ -87,6 +120,7 @@ class ClusterFile:
         except (OSError, json.JSONDecodeError) as exc:
             raise ClusterError(f"{path} is unreadable: {exc}") from exc
         try:
+            data.pop("drill_token", None)  # written by older versions; drills need no token now
             for key in ("etcd", "coordinators", "agents"):
                 data[key] = [Proc(**p) for p in data.get(key, [])]
             return cls(**data)
@@ -133,6 +167,7 @@ def up(
     s3_endpoint: str = "",
     s3_bucket: str = "ftd-checkpoints",
     train: TrainOptions | None = None,
+    shared_hdd: bool = True,
 ) -> ClusterFile:
     """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks."""
     if nodes < 1 or spares < 0 or coordinators < 1:
@@ -147,12 +182,16 @@ def up(
     for stale in (workdir / "run").glob("*.json"):
         stale.unlink()
     deadline = time.monotonic() + timeout_s
+    pki_dir = workdir / "pki"
+    pki.bootstrap(pki_dir, CLUSTER, nodes=[f"node-{i}" for i in range(nodes + spares)],
+                  coordinators=[f"coordinator-{i}" for i in range(coordinators)])
     cluster = ClusterFile(str(workdir), "", etcd_endpoints or "", etcd_endpoints is not None,
-                          secrets.token_hex(16), created_unix_s=time.time(), s3_endpoint=s3_endpoint,
-                          s3_bucket=s3_bucket if s3_endpoint else "")
+                          created_unix_s=time.time(), s3_endpoint=s3_endpoint,
+                          s3_bucket=s3_bucket if s3_endpoint else "", pki_dir=str(pki_dir), shared_hdd=shared_hdd)
     try:
         if etcd_endpoints is None:
-            etcd = EtcdCluster(workdir / "etcd", size=1, detach=True).start(timeout_s=min(20.0, timeout_s))
+            etcd = EtcdCluster(workdir / "etcd", size=1, detach=True, pki_dir=pki_dir, auth=True).start(
+                timeout_s=min(20.0, timeout_s))
             cluster.etcd_endpoints = etcd.endpoints
             cluster.etcd = [Proc(m.name, m.pid or 0, {"client_url": m.client_url, "data_dir": str(m.data_dir)})
                             for m in etcd.members]
@@ -161,15 +200,24 @@ def up(
         for i in range(coordinators):
             ready = workdir / "run" / f"coordinator-{i}.json"
             log = workdir / "logs" / f"coordinator-{i}.log"
+            own = cluster.identity("coordinator", f"coordinator-{i}")
+            assert own is not None
+            # The embedded etcd: TLS with the replica's own certificate (CN ftd-coordinator, etcd's user).
+            etcd_tls = [] if cluster.etcd_external else [
+                "--etcd-ca-file", str(own.ca_path), "--etcd-cert-file", str(own.cert_path),
+                "--etcd-key-file", str(own.key_path)]
             proc = _spawn([py, "-m", "ftd.coordinator.main", "--etcd-endpoints", cluster.etcd_endpoints,
                            "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                           "--replica-id", f"coordinator-{i}", "--cluster", "local",
-                           "--ready-file", str(ready), *(extra_coordinator_args or [])], log)
+                           "--replica-id", f"coordinator-{i}", "--cluster", CLUSTER, "--pki-dir", str(pki_dir),
+                           *etcd_tls, "--ready-file", str(ready), *(extra_coordinator_args or [])], log)
             cluster.coordinators.append(Proc(f"coordinator-{i}", proc.pid))
             cluster.save()
             cluster.coordinators[-1].info = _wait_file(ready, proc, deadline, log)
         cluster.coordinator_endpoints = ",".join(c.info["address"] for c in cluster.coordinators)
         cluster.save()
+        operator = cluster.operator
+        assert operator is not None
+        remember_identity(cluster.coordinator_endpoints, operator)
         started = []
         for i in range(nodes + spares):
             labels = {"rack": f"r{i % racks}"} if racks else {}
@@ -178,7 +226,7 @@ def up(
         for agent, (proc, ready, log) in zip(cluster.agents, started, strict=True):
             agent.info.update(_wait_file(ready, proc, deadline, log))
         cluster.save()
-        wait_formed(cluster.coordinator_endpoints, nodes, spares, deadline)
+        wait_formed(cluster.coordinator_endpoints, nodes, spares, deadline, tls=operator)
         return cluster
     except BaseException:
         stop(cluster)
@@ -190,18 +238,22 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
     """Starts (or restarts) one agent of ``cluster`` and records it; returns (process, ready file, log).
     The caller waits on the ready file (:func:`wait_agent`)."""
     workdir = Path(cluster.workdir)
+    if cluster.pki_dir:  # its agent and rendezvous certificates, unless issued before
+        pki.bootstrap(Path(cluster.pki_dir), cluster.cluster, nodes=[node_id])
     node_dir = workdir / "nodes" / node_id
     ready = workdir / "run" / f"{node_id}.json"
     log = workdir / "logs" / f"{node_id}.log"
     ready.unlink(missing_ok=True)
     label_text = ",".join(f"{k}={v}" for k, v in (labels or {}).items())
     # Node-local SSD tier; one HDD directory shared by every node (a shared filesystem), so a spare
-    # can restore a dead node's rank without the cold tier.
+    # can restore a dead node's rank without the cold tier (shared_hdd=False: a node-local HDD). The
+    # memory tier lives in the node directory, not in the machine's /dev/shm (tests run many clusters).
+    hdd = ["--hdd-dir", str(workdir / "shared" / "hdd"), "--hdd-shared"] if cluster.shared_hdd else []
     argv = [sys.executable, "-m", "ftd.agent.main", "--node-id", node_id, "--host", "127.0.0.1", "--role", role,
             "--coordinators", cluster.coordinator_endpoints, "--listen", "127.0.0.1:0",
             "--metrics-listen", "127.0.0.1:0", "--workdir", str(node_dir),
-            "--hdd-dir", str(workdir / "shared" / "hdd"), "--hdd-shared",
-            "--ready-file", str(ready), "--drill-token", cluster.drill_token,
+            *hdd, "--mem-dir", str(node_dir / "mem"),
+            "--ready-file", str(ready), *(["--pki-dir", cluster.pki_dir] if cluster.pki_dir else []),
             # A preemption notice is this node directory's trigger file (ftctl drill --preempt writes it);
             # no cloud metadata server is polled on a local cluster.
             "--preempt-sources", "file", "--preempt-poll-interval-s", "0.2",
@@ -230,8 +282,9 @@ def wait_agent(cluster: ClusterFile, node_id: str, proc: subprocess.Popen[bytes]
     return agent
 
 
-def wait_formed(endpoints: str, nodes: int, spares: int, deadline: float) -> None:
-    client = CoordinatorClient(endpoints, timeout_s=2.0)
+def wait_formed(endpoints: str, nodes: int, spares: int, deadline: float,
+                tls: pki.IdentityFiles | None = None) -> None:
+    client = CoordinatorClient(endpoints, timeout_s=2.0, tls=tls)
     last = "no answer"
     try:
         while time.monotonic() < deadline:

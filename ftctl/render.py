@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -26,8 +27,10 @@ def _rich_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     t = Table(*headers, header_style="bold")
     for row in rows:
         cells = ["" if c is None else str(c) for c in row]
-        style = "red" if any(c in ("dead", "fenced", "MISMATCH") or c.startswith("invalid") for c in cells) else None
-        t.add_row(*cells, style=style)
+        bad = any(c in ("dead", "fenced", "MISMATCH") or c.startswith(("invalid", "unrestorable")) for c in cells)
+        style = "red" if bad else None
+        # Strings come from the cluster (hosts, reasons): shown as text, never read as rich markup.
+        t.add_row(*(Text(c) for c in cells), style=style)
     console = Console(width=max(100, Console().width))
     with console.capture() as capture:
         console.print(t)
@@ -43,6 +46,10 @@ def status(s: dict[str, Any]) -> str:
         f"spares:   {', '.join(s['spares']) or 'none'}",
         f"dead:     {', '.join(s['dead']) or 'none'}",
     ]
+    for alarm in s.get("etcd_alarms", []):
+        lines.append(f"ETCD ALARM: {alarm}")
+    for problem in s.get("problems", []):
+        lines.append(f"PROBLEM:  {problem}")
     if s.get("draining"):
         lines.append(f"draining: {', '.join(s['draining'])} (planned hand-over pending)")
     if s["suspect"]:
@@ -116,9 +123,23 @@ def checkpoints(rows: Sequence[dict[str, Any]]) -> str:
     def yes(v: bool) -> str:
         return "yes" if v else "-"
 
-    return table(("JOB", "STEP", "STATUS", "EPOCH", "WORLD", "SIZE", "SSD", "HDD", "S3"), [
+    def now(r: dict[str, Any]) -> str:
+        if "restorable_now" not in r:
+            return "-"
+        if r["restorable_now"]:
+            return "yes"
+        missing = r["unreachable_ranks"]
+        return f"no: rank(s) {', '.join(map(str, missing))} unreachable" if missing else "no"
+
+    def where(r: dict[str, Any]) -> str:
+        sources = r.get("sources") or {}
+        return "; ".join(f"{rank}: {', '.join(s[:2]) or '-'}" for rank, s in sorted(sources.items()))
+
+    return table(("JOB", "STEP", "STATUS", "EPOCH", "WORLD", "SIZE", "MEM", "SSD", "HDD", "S3", "RESTORABLE NOW",
+                  "FROM (RANK: COPIES)", "CADENCE"), [
         (r["job"], r["step"], r["status"], r["epoch"], r["world_size"], f"{r['bytes'] / 1e6:.1f} MB",
-         yes(r["tiers"]["ssd"]), yes(r["tiers"]["hdd"]), yes(r["tiers"]["s3"])) for r in rows])
+         yes(r["tiers"]["mem"]), yes(r["tiers"]["ssd"]), yes(r["tiers"]["hdd"]), yes(r["tiers"]["s3"]), now(r),
+         where(r), r.get("cadence", "")) for r in rows])
 
 
 def verify(rows: Sequence[dict[str, Any]]) -> str:

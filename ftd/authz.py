@@ -36,9 +36,10 @@ ROUND_RANK0 = Rule("round_rank0", "only the round's rank 0 publishes its store, 
 OPERATOR_ONLY = Rule("operator_only",
                      "only operators close jobs, roll back, invalidate checkpoints, verify copies and run drills")
 LOCAL_ONLY = Rule("local_only", "only the training process on this node, over the agent's Unix socket")
+AGENT_PEERS = Rule("agent_peers", "only the cluster's agents stream checkpoint shards to each other")
 
 RULES: tuple[Rule, ...] = (UNKNOWN_METHOD, AUTHENTICATED, SAME_CLUSTER, READ, NODE_ONLY, NODE_SELF, JOB_MEMBER,
-                           ROUND_RANK0, OPERATOR_ONLY, LOCAL_ONLY)
+                           ROUND_RANK0, OPERATOR_ONLY, LOCAL_ONLY, AGENT_PEERS)
 
 # Kinds whose certificate speaks for one node: their ``self_field`` checks bind them to its name.
 NODE_KINDS = frozenset({"node", "rendezvous"})
@@ -126,6 +127,16 @@ TABLE: dict[str, Policy] = {
     _A + "GetRestoreTarget": Policy(_AGENT_READERS, READ),
     _A + "GetTiers": Policy(_AGENT_READERS, READ),
     _A + "VerifyCopy": Policy(_OPERATOR, OPERATOR_ONLY),
+    # runs the node's health checks now (ftctl health): a measurement, no state changes
+    _A + "CheckHealth": Policy(_AGENT_READERS, READ),
+    # the peer copy path: another node's agent streams a shard copy from here ...
+    _A + "ReadShard": Policy(_NODE, AGENT_PEERS),
+    # ... on behalf of its own training process, which asks for it over the Unix socket
+    _A + "FetchShard": Policy(_LOCAL, LOCAL_ONLY),
+    # a node pushes its memory snapshots to its buddy's memory tier (the buddy records its own copy)
+    _A + "WriteShard": Policy(_NODE, AGENT_PEERS),
+    # the fast path of ReadShard: a one-time offer of a copy on a dedicated connection (agent.bulk_copy)
+    _A + "OpenShard": Policy(_NODE, AGENT_PEERS),
 }
 
 UNKNOWN_LABEL = "unknown"

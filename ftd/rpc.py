@@ -42,7 +42,16 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # A coordinator answer may carry a page of up to 2 MiB, a whole checkpoint record more: accept up
+    # to 16 MiB (the coordinator caps what it sends there; requests it accepts stay under 1 MiB).
+    ("grpc.max_receive_message_length", 16 << 20),
 ]
+
+# With TLS, one connection attempt may take this long (gRPC reads its "min reconnect backoff" as the
+# least time a connection attempt is given; the 100 ms above would abort TLS handshakes that queue
+# behind others, e.g. a thousand agents reconnecting to a new leader, and retry them forever). The
+# pause between attempts stays CHANNEL_OPTIONS' backoff: a refused connection is retried as quickly.
+TLS_CONNECT_TIMEOUT_MS = 5_000
 
 # Servers accept the clients' keepalive pings (without this they answer too-frequent pings with
 # GOAWAY) and hold one heartbeat stream per agent.
@@ -99,7 +108,8 @@ def client_credentials(tls: Tls) -> grpc.ChannelCredentials:
 
 
 def _client_options(options: Sequence[Option], server_name: str | None) -> list[Option]:
-    out: list[Option] = [*CHANNEL_OPTIONS, *options]
+    out: list[Option] = [*((k, v) for k, v in CHANNEL_OPTIONS if k != "grpc.min_reconnect_backoff_ms"),
+                         ("grpc.min_reconnect_backoff_ms", TLS_CONNECT_TIMEOUT_MS), *options]
     if server_name:
         # Verify the server's certificate for this name rather than the dialled host: only for a
         # server reached at an address its certificate does not name (a NAT, a load balancer).

@@ -26,9 +26,16 @@ _MIN_PART = 5 << 20  # S3's smallest multipart part
 
 @dataclass(frozen=True)
 class LocalSpec:
-    """A directory tier: a local disk or a mounted shared filesystem."""
+    """A directory tier: a local disk, a mounted shared filesystem, or the memory tier (a tmpfs
+    directory owned by the agent). ``capacity_bytes``: at most this many bytes held in it (the
+    memory tier's budget, checked before every write; 0: only the filesystem's free space)."""
 
     path: Path
+    capacity_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ValueError(f"tier directory {self.path}: capacity_bytes must be >= 0, got {self.capacity_bytes}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class S3Spec:
 
 @dataclass(frozen=True)
 class TierSpec:
-    """One tier: ``name`` ("ssd", "hdd", "s3"), ``location`` (this node's id for a node-local tier,
+    """One tier: ``name`` ("mem", "ssd", "hdd", "s3"), ``location`` (this node's id for a node-local tier,
     "shared" or "s3" for one every node sees) and its storage."""
 
     name: str
@@ -138,6 +145,7 @@ def spec_to_proto(spec: TierSpec) -> agent_pb2.TierSpec:
     s = spec.storage
     if isinstance(s, LocalSpec):
         msg.local.path = str(s.path)
+        msg.local.capacity_bytes = s.capacity_bytes
     else:
         msg.s3.CopyFrom(agent_pb2.S3Tier(
             endpoint=s.endpoint, bucket=s.bucket, prefix=s.prefix, region=s.region,
@@ -155,7 +163,7 @@ def spec_from_proto(msg: agent_pb2.TierSpec) -> TierSpec:
     if which == "local":
         if not msg.local.path:
             raise ValueError(f"tier {msg.name!r}: the directory tier has no path")
-        storage = LocalSpec(Path(msg.local.path))
+        storage = LocalSpec(Path(msg.local.path), msg.local.capacity_bytes)
     elif which == "s3":
         s = msg.s3
         storage = S3Spec(

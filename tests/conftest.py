@@ -12,7 +12,9 @@ from ftd.ftctl.localcluster import ClusterFile, stop, up
 
 @pytest.fixture
 def local_cluster(tmp_path: Path) -> Iterator[ClusterFile]:
-    """A whole local cluster (etcd, one coordinator, 2 active + 1 spare agents) as real processes."""
+    """A whole local cluster (etcd, one coordinator, 2 active + 1 spare agents) as real processes, secure
+    as ``ftctl up`` makes it (mTLS, the authorization table, etcd with client certificates and auth):
+    dial it with ``cluster.client()`` or ``tls=cluster.operator`` / ``cluster.identity(kind, name)``."""
     cluster = up(tmp_path / "cluster", nodes=2, spares=1)
     try:
         yield cluster

@@ -8,6 +8,7 @@ import pytest
 
 from ftd.checkpoints.catalog import (
     CatalogError,
+    CheckpointRecord,
     CopyRef,
     Rollback,
     add_copy,
@@ -17,6 +18,8 @@ from ftd.checkpoints.catalog import (
     encode,
     encode_rollback,
     from_info,
+    invalidation_loses_last,
+    restorable_steps,
     restore_target,
     retention,
     rollback,
@@ -132,6 +135,40 @@ def test_retention_keeps_the_last_three_valid_committed_here() -> None:
     assert retention({1: True, 2: True}, {1: False, 2: True}, keep=3) == []
 
 
+def committed(step: int, world: int, crc: str = "0a0b0c0d") -> CheckpointRecord:
+    record = None
+    for rank in range(world):
+        record, _ = commit_shard(record, manifest(step=step, rank=rank, world=world, crc=crc), "ssd", f"n{rank}", 1.0)
+    assert record is not None
+    return record
+
+
+def test_a_step_of_another_world_size_is_skipped_by_a_restore_of_this_size() -> None:
+    recs = [committed(10, 2), committed(20, 1), committed(30, 2), committed(40, 1), committed(50, 1)]
+    target, why = restore_target(recs, world_size=2)
+    assert target is not None and target.step == 30
+    assert why == "newest valid step 30; skipped step 40 (world size 1), step 50 (world size 1)"
+    target, why = restore_target([committed(20, 1)], world_size=2)
+    assert target is not None and target.step == 20 and "no restorable step was saved with world size 2" in why
+    assert restore_target(recs)[0].step == 50  # type: ignore[union-attr]
+
+
+def test_the_last_restorable_step_is_never_invalidated() -> None:
+    a, b = committed(10, 1), committed(20, 1)
+    assert invalidation_loses_last([a, b], 20) == "" and invalidation_loses_last([a, b], 10) == ""
+    assert "last restorable" in invalidation_loses_last([a], 10)
+    corrupt = drop_copy(a, 0, "ssd", "n0", corrupt="crc mismatch")
+    assert not corrupt.restorable and invalidation_loses_last([corrupt], 10) == ""
+
+
+def test_retention_counts_restorable_steps_not_merely_valid_ones() -> None:
+    recs = [committed(s, 1) for s in (10, 20, 30, 40)]
+    recs[3] = drop_copy(recs[3], 0, "ssd", "n0", corrupt="bit rot")  # 40: valid, but no good copy
+    on_tier = {r.step: True for r in recs}
+    assert [d.step for d in retention(on_tier, {r.step: r.valid for r in recs}, keep=3)] == [10]
+    assert retention(on_tier, restorable_steps(recs), keep=3) == [], "10 is one of the 3 restorable steps"
+
+
 def test_codec_roundtrip_and_corrupt_keys_are_reported_not_fatal() -> None:
     rec, _ = commit_shard(None, manifest(rank=0), "ssd", "n0", 1.0)
     rec, _ = commit_shard(rec, manifest(rank=1), "s3", "s3", 2.0)
@@ -170,4 +207,5 @@ def test_the_grpc_form_reads_back_into_the_same_record() -> None:
         assert back == replace(record, shards=committed_at_dropped)  # the wire form has no commit times
         assert (back.valid, back.invalid_reason) == (record.valid, record.invalid_reason)
     assert [from_info(to_info(r)).status() for r in (in_progress, valid, invalid)] == [
-        "in progress: 1 of 2 shards committed", "valid", "invalid: rank 1: no tier holds a verified copy"]
+        "in progress: 1 of 2 shards committed", "unrestorable: every copy of rank(s) 1 was found corrupt",
+        "invalid: rank 1: no tier holds a verified copy"]

@@ -106,13 +106,14 @@ def test_save_valid_restore_corruption_fallback_retention(
         assert "rank 1 on ssd@node-1" in capsys.readouterr().err
         assert ftctl(["checkpoints", "verify", "10", "--job", JOB, "--workdir", local_cluster.workdir]) == 0
 
-        # Corrupt on every tier: step 20 is invalidated with a reason, step 10 is restored.
+        # Corrupt on every tier: step 20 can no longer be restored (every copy of rank 1 is recorded
+        # corrupt, with the reason), step 10 is restored. Invalidating is the operator's call.
         hdd_file = hdd(local_cluster) / shard_prefix(JOB, 20, 1) / "state.pt"
         hdd_file.write_bytes(b"garbage")
         step, loaded = cks[1].load_latest()  # type: ignore[misc]
         assert step == 10 and loaded["step"] == 101
         rows = {r["step"]: r for r in listed(capsys, local_cluster)}
-        assert not rows[20]["valid"] and "no tier holds a verified copy" in rows[20]["status"]
+        assert rows[20]["status"] == "unrestorable: every copy of rank(s) 1 was found corrupt", rows[20]
 
         # Retention: after 10 checkpoints each tier holds exactly its last 3 valid ones.
         for step in range(30, 130, 10):
@@ -149,7 +150,9 @@ def test_bad_identifiers_are_refused(local_cluster: ClusterFile) -> None:
             ck.save(-5, {"x": torch.zeros(1)})
     finally:
         ck.close()
-    client = CoordinatorClient(local_cluster.coordinator_endpoints)
+    # A node's own identity: CommitShard is a node's call, at its own location (the validators run after
+    # the authorization check, which an operator certificate would fail first).
+    client = CoordinatorClient(local_cluster.coordinator_endpoints, tls=local_cluster.identity("node", "node-0"))
     stub = client.stub()
     good = checkpoint_pb2.ShardManifest(job=JOB, step=1, epoch=1, rank=0, world_size=1, format="torch",
                                         files=[checkpoint_pb2.ShardFile(name="state.pt", size=3, crc32c="0a0b0c0d")])
@@ -167,7 +170,8 @@ def test_bad_identifiers_are_refused(local_cluster: ClusterFile) -> None:
     bad_file.CopyFrom(good)
     bad_file.files[0].name = "../../etc/passwd"
     with pytest.raises(grpc.RpcError) as err:
-        stub.CommitShard(checkpoint_pb2.CommitShardRequest(manifest=bad_file, tier="ssd", location="n"), timeout=5)
+        stub.CommitShard(checkpoint_pb2.CommitShardRequest(manifest=bad_file, tier="ssd", location="node-0"),
+                         timeout=5)
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
         stub.GetRestoreTarget(checkpoint_pb2.GetRestoreTargetRequest(job=".."), timeout=5)

@@ -1,6 +1,8 @@
 """The control plane as real processes: etcd on free loopback ports, a coordinator and agents over
 gRPC sockets. register → heartbeat → kill -9 → dead within bound → spare promoted into the dead
-node's rank → epoch + 1 in etcd; the fenced node comes back only as a spare."""
+node's rank → epoch + 1 in etcd; the fenced node comes back only as a spare. Everything over mTLS,
+as ``ftctl up`` runs it: the tests dial as the cluster's operator, or as a node where a node must call
+(tests/test_security_e2e.py checks the refusals)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,18 @@ import os
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 
+from ftd import pki, rpc
 from ftd.coordinator.client import CoordinatorClient
 from ftd.coordinator.etcd_store import EtcdStore
+from ftd.etcd_client import EtcdTls, using_tls
 from ftd.ftctl.localcluster import ClusterFile, spawn_agent, wait_agent
 from ftd.testing import wait_for
-from ftd.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, coordinator_pb2
+from ftd.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 pytestmark = pytest.mark.etcd
 
@@ -29,14 +34,26 @@ def state_of(client: CoordinatorClient, node_id: str) -> int:
     return next(n.state for n in client.nodes().nodes if n.node_id == node_id)
 
 
+def identity(cluster: ClusterFile, kind: str, name: str) -> pki.IdentityFiles:
+    files = cluster.identity(kind, name)
+    assert files is not None
+    return files
+
+
+def etcd_store(cluster: ClusterFile) -> EtcdStore:
+    """The cluster's state in etcd, read as a coordinator (etcd's auth lets only those read /ftd/)."""
+    with using_tls(EtcdTls.of_identity(identity(cluster, "coordinator", "coordinator-0"))):
+        return EtcdStore(cluster.etcd_endpoints, cluster="local")
+
+
 def formed_status(client: CoordinatorClient) -> coordinator_pb2.ClusterStatus:
     """The status once both actives hold a rank: admitted in one commit or two, in either order."""
     return wait_for(lambda: sorted((s := client.status()).world) == ["node-0", "node-1"] and s, 10, "world formed")
 
 
 def test_kill_active_agent_spare_takes_its_rank_and_fenced_node_returns_as_spare(local_cluster: ClusterFile) -> None:
-    client = CoordinatorClient(local_cluster.coordinator_endpoints)
-    store = EtcdStore(local_cluster.etcd_endpoints, cluster="local")
+    client = local_cluster.client()
+    store = etcd_store(local_cluster)
     try:
         before = store.load()
         assert sorted(before.world.ranks) == ["node-0", "node-1"]
@@ -63,7 +80,7 @@ def test_kill_active_agent_spare_takes_its_rank_and_fenced_node_returns_as_spare
 
         # The promoted spare learns its new rank within a heartbeat.
         spare = next(a for a in local_cluster.agents if a.name == "node-2")
-        with grpc.insecure_channel(spare.info["address"]) as ch:
+        with rpc.channel(spare.info["address"], tls=local_cluster.operator) as ch:
             info = wait_for(lambda: (i := agent_pb2_grpc.AgentStub(ch).GetInfo(agent_pb2.GetInfoRequest()))
                             .assignment.epoch == after.world.epoch and i, 2, "node-2 learns the new epoch")
         assert info.assignment.rank == victim_rank and info.assignment.role == cluster_pb2.ROLE_ACTIVE
@@ -82,7 +99,7 @@ def test_kill_active_agent_spare_takes_its_rank_and_fenced_node_returns_as_spare
 
 
 def test_world_shrinks_without_spare_and_status_says_so(local_cluster: ClusterFile) -> None:
-    client = CoordinatorClient(local_cluster.coordinator_endpoints)
+    client = local_cluster.client()
     try:
         # The actives may have been admitted in one commit or two: compare with the epoch found.
         formed = formed_status(client)
@@ -99,52 +116,65 @@ def test_world_shrinks_without_spare_and_status_says_so(local_cluster: ClusterFi
 
 
 def test_bad_input_gets_precise_grpc_errors(local_cluster: ClusterFile) -> None:
-    client = CoordinatorClient(local_cluster.coordinator_endpoints)
-    stub = client.stub()
+    """Authorization first (a node acts only as itself), then the request's own checks."""
+    client = local_cluster.client()
+    pki_dir = Path(local_cluster.pki_dir)
+    for name in ("ghost-7", "n9"):
+        pki.issue(pki_dir, "node", name)  # certificates of nodes the coordinator has never seen
+    channels = {name: rpc.channel(local_cluster.coordinator_endpoints.split(",")[0],
+                                  tls=identity(local_cluster, "node", name))
+                for name in ("ghost-7", "n9", "node-1")}
+    stubs = {name: coordinator_pb2_grpc.CoordinatorStub(ch) for name, ch in channels.items()}
     try:
         formed = formed_status(client)
 
-        def heartbeat_error(req: coordinator_pb2.HeartbeatRequest) -> grpc.RpcError:
+        def heartbeat_error(stub: coordinator_pb2_grpc.CoordinatorStub,
+                            req: coordinator_pb2.HeartbeatRequest) -> grpc.RpcError:
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Heartbeat(iter([req]), timeout=5))
             return err.value
 
-        err = heartbeat_error(coordinator_pb2.HeartbeatRequest(node_id="ghost-7", incarnation="x"))
+        err = heartbeat_error(stubs["ghost-7"], coordinator_pb2.HeartbeatRequest(node_id="ghost-7", incarnation="x"))
         assert err.code() is grpc.StatusCode.NOT_FOUND and "ghost-7" in err.details()
-        err = heartbeat_error(coordinator_pb2.HeartbeatRequest(node_id="../x", incarnation="x"))
-        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("node_id")
+        err = heartbeat_error(stubs["ghost-7"], coordinator_pb2.HeartbeatRequest(node_id="../x", incarnation="x"))
+        assert err.code() is grpc.StatusCode.PERMISSION_DENIED and "node/ghost-7 may not Heartbeat as '../x'" in \
+            err.details()
 
         existing = next(n for n in client.nodes().nodes if n.node_id == "node-1")
         with pytest.raises(grpc.RpcError) as conflict:
-            stub.Register(coordinator_pb2.RegisterRequest(
+            stubs["node-1"].Register(coordinator_pb2.RegisterRequest(
                 node_id="node-1", host="10.9.9.9", role=cluster_pb2.ROLE_ACTIVE, incarnation="other",
                 agent_address="10.9.9.9:1"), timeout=5)
         assert conflict.value.code() is grpc.StatusCode.ALREADY_EXISTS
         assert "node-1" in conflict.value.details() and existing.host in conflict.value.details()
 
+        with pytest.raises(grpc.RpcError) as bad:  # no node_id: not the caller's own
+            stubs["n9"].Register(coordinator_pb2.RegisterRequest(host="h", role=1, incarnation="i"), timeout=5)
+        assert bad.value.code() is grpc.StatusCode.PERMISSION_DENIED
         for field, req in [
-            ("node_id", coordinator_pb2.RegisterRequest(host="h", role=1, incarnation="i")),
             ("host", coordinator_pb2.RegisterRequest(node_id="n9", role=1, incarnation="i")),
             ("role", coordinator_pb2.RegisterRequest(node_id="n9", host="h", incarnation="i")),
             ("agent_address", coordinator_pb2.RegisterRequest(node_id="n9", host="h", role=2, incarnation="i",
                                                               agent_address="no-port")),
         ]:
             with pytest.raises(grpc.RpcError) as bad:
-                stub.Register(req, timeout=5)
+                stubs["n9"].Register(req, timeout=5)
             assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert bad.value.details().startswith(field), bad.value.details()
         with pytest.raises(grpc.RpcError) as bad:
-            stub.ListEvents(coordinator_pb2.ListEventsRequest(limit=99999), timeout=5)
+            client.stub().ListEvents(coordinator_pb2.ListEventsRequest(limit=99999), timeout=5)
         assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "limit" in bad.value.details()
         # Nothing valid was lost on the way.
         assert {n.node_id for n in client.nodes().nodes} == {"node-0", "node-1", "node-2"}
         assert client.status().epoch == formed.epoch
     finally:
         client.close()
+        for ch in channels.values():
+            ch.close()
 
 
 def test_agent_endpoint_progress_and_kill_authorisation(local_cluster: ClusterFile) -> None:
-    client = CoordinatorClient(local_cluster.coordinator_endpoints)
+    client = local_cluster.client()
     agent = next(a for a in local_cluster.agents if a.name == "node-1")
     try:
         # The training side reports progress over the agent's Unix socket; it reaches the coordinator.
@@ -162,11 +192,13 @@ def test_agent_endpoint_progress_and_kill_authorisation(local_cluster: ClusterFi
         assert all(d.free_bytes > 0 for d in node.health.disks)
         assert not node.health.HasField("gpu")  # no NVML here: absent, not "0 GPUs"
 
-        with grpc.insecure_channel(agent.info["address"]) as ch:
+        # Kill is for operators: another node's certificate is refused, whatever token it sends.
+        with rpc.channel(agent.info["address"], tls=identity(local_cluster, "node", "node-0")) as ch:
             stub = agent_pb2_grpc.AgentStub(ch)
             with pytest.raises(grpc.RpcError) as denied:
                 stub.Kill(agent_pb2.KillRequest(), timeout=5, metadata=(("authorization", "Bearer wrong"),))
             assert denied.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "rule: only operators" in denied.value.details()
             assert stub.GetInfo(agent_pb2.GetInfoRequest(), timeout=5).node_id == "node-1", "agent must survive"
     finally:
         client.close()
@@ -177,7 +209,7 @@ def test_metrics_endpoints(local_cluster: ClusterFile) -> None:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             return str(resp.read().decode())
 
-    client = CoordinatorClient(local_cluster.coordinator_endpoints)
+    client = local_cluster.client()
     try:
         epoch = formed_status(client).epoch
     finally:

@@ -19,7 +19,7 @@ from ftd.coordinator.model import NodeRecord, Role, World
 from ftd.coordinator.settings import CoordinatorSettings
 from ftd.coordinator.store import CommitResult, MemoryStore
 from ftd.coordinator.view import ClusterView
-from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 T = TypeVar("T")
 
@@ -295,7 +295,7 @@ class FakeLeader:
 
     async def commit(self, kind: str, *, nodes: Sequence[NodeRecord] = (), world: World | None = None,
                      events: Sequence[tuple[str, str, str]] = (), kv_puts: Mapping[str, bytes] | None = None,
-                     kv_deletes: Sequence[str] = ()) -> CommitResult:
+                     kv_deletes: Sequence[str] = (), node_deletes: Sequence[str] = ()) -> CommitResult:
         self.commits.append(kind)
         return CommitResult(0)
 
@@ -416,5 +416,235 @@ def test_an_unhealthy_spare_is_passed_over() -> None:
         assert store.world.ranks == ("t", "b")
         promoted = next(e for e in store.events.values() if e.kind == "spare_promoted")
         assert "s passed over: unhealthy: ssd free 1.0 GiB < 10 GiB" in promoted.message
+
+    run(scenario)
+
+
+# ---- issue 11: stored-state trust, NOSPACE, bounded inputs ------------------------------------------
+
+
+def gauge(ctl: Controller, name: str, **labels: str) -> float:
+    value = ctl.metrics.registry.get_sample_value(name, labels or None)
+    assert value is not None, name
+    return value
+
+
+def test_a_corrupt_record_is_skipped_reported_and_never_stops_the_leader() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        store.corrupt["nodes/zzz"] = "record '/ftd/default/nodes/zzz' is corrupt: not JSON"
+        store.kv["ckpt/j/000000000007/meta"] = b"not json"
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        assert ctl.is_leader
+        problems = list(ctl.status().problems)
+        assert any("nodes/zzz" in p for p in problems) and any("ckpt/j/000000000007/meta" in p for p in problems)
+        assert gauge(ctl, "ftd_coordinator_corrupt_records") == 2
+        kinds = [e.kind for e in store.events.values()]
+        assert kinds.count("corrupt_record") == 2 and "leader_elected" in kinds
+        assert store.world.ranks == ("a", "b"), "the leader works on"
+
+    run(scenario)
+
+
+def test_nospace_alarm_refuses_commits_clearly_and_fencing_resumes_when_space_returns() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        assert gauge(ctl, "ftd_coordinator_etcd_alarm", alarm="nospace") == 0
+        store.raised.append("nospace")
+        await step(ctl, clock, ("a", "b", "s"), n=60)  # the alarm is polled every 5 s
+        assert gauge(ctl, "ftd_coordinator_etcd_alarm", alarm="nospace") == 1
+        assert [a.split(":")[0] for a in ctl.status().etcd_alarms] == ["nospace"]
+        with pytest.raises(errors.StateRejected) as full:
+            await ctl.membership.register(reg("late", inc="x"))
+        assert errors.grpc_code(full.value) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "database is full (NOSPACE alarm)" in str(full.value) and "alarm disarm" in str(full.value)
+        ctl.membership.close_stream(ctl.membership.streams["a"])
+        await step(ctl, clock, ("b", "s"), n=30)
+        assert store.world.ranks == ("a", "b") and store.nodes["a"].fence is None, "nothing can be committed"
+        assert ctl.is_leader, "a full etcd does not cost the leadership"
+        # The leader goes away while etcd is full: a standby cannot get a lease, and keeps trying.
+        await ctl.stop()
+        standby = make(store, clock, "c1")
+        await standby.leadership_step()
+        assert not standby.is_leader and standby.committer.lease is None
+        store.raised.clear()  # compaction + defragmentation + alarm disarm
+        await standby.leadership_step()
+        assert standby.is_leader
+        await step(standby, clock, ("b", "s"), n=60)
+        assert store.world.ranks == ("s", "b") and store.nodes["a"].fence is not None, "fencing resumed"
+        assert gauge(standby, "ftd_coordinator_etcd_alarm", alarm="nospace") == 0
+        assert not standby.status().etcd_alarms
+
+    run(scenario)
+
+
+def test_fenced_node_records_are_collected_after_the_retention() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        ctl.membership.fenced_node_retention_s = 120.0
+        await cluster(ctl, clock)
+        ctl.membership.close_stream(ctl.membership.streams["a"])
+        await step(ctl, clock, ("b", "s"), n=30)
+        assert store.nodes["a"].fence is not None
+        await step(ctl, clock, ("b", "s"), n=600)  # 60 s: still within the retention
+        assert "a" in store.nodes
+        await step(ctl, clock, ("b", "s"), n=1000)  # past retention + one GC period
+        assert "a" not in store.nodes and "a" not in ctl.committer.require_leader().liveness
+        assert "a" not in {n.node_id for n in ctl.nodes().nodes}
+        assert any(e.kind == "nodes_collected" and "a" in e.message for e in store.events.values())
+        assert gauge(ctl, "ftd_coordinator_nodes_collected_total") == 1
+        resp = await ctl.membership.register(reg("a", inc="i9"))  # the node may come back, as a new one
+        assert resp.message == "registered as active" and store.nodes["a"].fence is None
+
+    run(scenario)
+
+
+def test_writes_are_rate_limited_per_node_and_a_refusal_changes_nothing() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        for _ in range(59):  # the burst: 60 per node (one was the registration above)
+            await ctl.membership.register(reg("a", inc="i1"))
+        before = (dict(store.nodes), store.world, dict(store.kv), store.writes)
+        with pytest.raises(errors.RateLimited, match="Register from 'a' is over its write rate limit") as err:
+            await ctl.membership.register(reg("a", inc="i2"))
+        assert errors.grpc_code(err.value) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (dict(store.nodes), store.world, dict(store.kv), store.writes) == before
+        await ctl.membership.register(reg("b", inc="i1"))  # other nodes are not affected
+        assert gauge(ctl, "ftd_coordinator_rate_limited_total", method="Register") == 1
+        clock.advance(1.0)  # 10 tokens a second
+        await ctl.membership.register(reg("a", inc="i1"))
+
+    run(scenario)
+
+
+def test_list_rpcs_are_paginated() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        for i in range(7):
+            await ctl.membership.register(reg(f"n{i}", cluster_pb2.ROLE_SPARE))
+        seen, token, pages = [], "", 0
+        while True:
+            page = ctl.nodes(coordinator_pb2.ListNodesRequest(page_size=3, page_token=token))
+            seen += [n.node_id for n in page.nodes]
+            pages += 1
+            token = page.next_page_token
+            if not token:
+                break
+        assert seen == sorted(["a", "b", "s", *(f"n{i}" for i in range(7))]) and pages == 4
+        assert len(ctl.nodes().nodes) == 10, "the default page holds every node of a small cluster"
+        with pytest.raises(errors.InvalidArgument, match="page_token"):
+            ctl.nodes(coordinator_pb2.ListNodesRequest(page_token="bad token\n"))
+        events, token = [], ""
+        while True:
+            got = await ctl.event_page(coordinator_pb2.ListEventsRequest(limit=4, page_token=token))
+            events += [e.seq for e in got.events]
+            token = got.next_page_token
+            if not token:
+                break
+        assert events == sorted(store.events, reverse=True)
+
+    run(scenario)
+
+
+def holder(rank: int) -> str:
+    """The registered node (of cluster()) holding rank ``rank``'s copy: copies on unknown nodes are unreachable."""
+    return ("a", "b")[rank % 2]
+
+
+def shard(job: str, step: int, rank: int, world: int, crc: str = "0a0b0c0d") -> checkpoint_pb2.CommitShardRequest:
+    return checkpoint_pb2.CommitShardRequest(tier="ssd", location=holder(rank), manifest=checkpoint_pb2.ShardManifest(
+        job=job, step=step, epoch=1, rank=rank, world_size=world, format="torch",
+        files=[checkpoint_pb2.ShardFile(name="state.pt", size=10, crc32c=crc)]))
+
+
+def test_catalog_trust_restore_target_and_the_last_restorable_step() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        for rank in (0, 1):
+            await ctl.catalog.commit_shard(shard("j", 100, rank, 2))
+        # Another world size for the same step is refused (FAILED_PRECONDITION) ...
+        with pytest.raises(errors.CatalogConflict, match="world_size 2"):
+            await ctl.catalog.commit_shard(shard("j", 100, 0, 1, crc="ffffffff"))
+        # ... and a newer step of another world size (valid by itself) is skipped by a world-2 restore.
+        await ctl.catalog.commit_shard(shard("j", 200, 0, 1))
+        target = ctl.catalog.restore_target("j", world_size=2)
+        assert target.found and target.checkpoint.step == 100
+        assert "skipped step 200 (world size 1)" in target.reason
+        assert ctl.catalog.restore_target("j").checkpoint.step == 200  # without a size: the newest
+        # The last restorable step cannot be invalidated: the restore target never falls back to scratch.
+        await ctl.catalog.invalidate(checkpoint_pb2.InvalidateCheckpointRequest(job="j", step=200, reason="bad"))
+        with pytest.raises(errors.CatalogConflict, match="last restorable checkpoint") as last:
+            await ctl.catalog.invalidate(checkpoint_pb2.InvalidateCheckpointRequest(job="j", step=100, reason="x"))
+        assert errors.grpc_code(last.value) is grpc.StatusCode.FAILED_PRECONDITION
+        assert ctl.catalog.restore_target("j", 2).checkpoint.step == 100
+        # A step whose every copy was found corrupt is not restorable: then it may be invalidated.
+        for rank in (0, 1):
+            await ctl.catalog.record_copy(checkpoint_pb2.RecordCopyRequest(
+                job="j", step=100, rank=rank, tier="ssd", location=holder(rank), present=True,
+                corrupt_reason="crc32c mismatch\n\x1b[31m"))
+        info = await ctl.catalog.invalidate(checkpoint_pb2.InvalidateCheckpointRequest(job="j", step=100, reason="x"))
+        assert not info.valid
+        record = ctl.committer.require_leader().catalog[("j", 100)]
+        assert record.shards[0].bad["ssd@a"] == "crc32c mismatch [31m", "one printable line"
+        # Listing pages through the catalog.
+        for step_ in range(300, 310):
+            await ctl.catalog.commit_shard(shard("k", step_, 0, 1))
+        listed, token = [], ""
+        while True:
+            page = ctl.catalog.list_page(checkpoint_pb2.ListCheckpointsRequest(page_size=4, page_token=token))
+            listed += [(c.job, c.step) for c in page.checkpoints]
+            token = page.next_page_token
+            if not token:
+                break
+        assert listed == sorted(ctl.committer.require_leader().catalog)
+
+    run(scenario)
+
+
+def test_job_records_and_checkpoint_series_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftd.coordinator import catalog, limits
+
+    monkeypatch.setattr(limits, "MAX_JOBS", 2)
+    monkeypatch.setattr(catalog, "MAX_JOB_SERIES", 2)
+
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        for job in ("j1", "j2"):
+            await ctl.jobs.join(coordinator_pb2.JoinRoundRequest(job=job, node_id="a", last_round=-1))
+        with pytest.raises(errors.TooMany, match="close one") as many:
+            await ctl.jobs.join(coordinator_pb2.JoinRoundRequest(job="j3", node_id="a", last_round=-1))
+        assert errors.grpc_code(many.value) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        await ctl.jobs.close(coordinator_pb2.CloseJobRequest(job="j1", reason="done"))
+        await ctl.jobs.join(coordinator_pb2.JoinRoundRequest(job="j3", node_id="a", last_round=-1))
+        assert set(ctl.committer.require_leader().jobs) == {"j2", "j3"} and "jobs/j1" not in store.kv
+        await step(ctl, clock, ("a", "b", "s"), n=10)
+        jobs = {s.labels["job"] for m in ctl.metrics.registry.collect() if m.name == "ftd_coordinator_job_round"
+                for s in m.samples}
+        assert jobs == {"j2", "j3"}, "the series of a removed job go with it"
+        for job in ("c1", "c2", "c3"):
+            await step(ctl, clock, ("a", "b", "s"), n=10)  # one second apart
+            await ctl.catalog.commit_shard(shard(job, 1, 0, 1))
+        names = {s.labels["job"] for m in ctl.metrics.registry.collect() if m.name ==
+                 "ftd_coordinator_checkpoint_last_valid_step" for s in m.samples}
+        assert names == {"c2", "c3"}, "only the jobs with the newest valid steps have series"
 
     run(scenario)

@@ -66,11 +66,6 @@ RTT_NOT_WIRED = ("registered by RttMetrics (agent/rtt.py), which the agent daemo
 CONDITIONAL = {
     "ftd_agent_gpu_utilization_ratio": "set only on nodes where NVML finds GPUs (labelled by gpu); the test "
                                        "cluster's agents may have none",
-    # RttMetrics registers both families (served even before the first probe, as HELP/TYPE of a labelled
-    # metric); the agent daemon does not create it yet. Drop these two entries when agent/daemon.py wires
-    # the RttProber in (test_rtt_exemption_is_still_needed says when).
-    "ftd_agent_peer_rtt_seconds": RTT_NOT_WIRED,
-    "ftd_agent_peer_probe_failures_total": RTT_NOT_WIRED,
 }
 # Metrics of other exporters the dashboard may query, and why they can be absent from the live check.
 EXTERNAL = {

@@ -102,10 +102,13 @@ def test_units_are_hardened(unit: str) -> None:
 
 def test_protect_proc_invisible_hides_nothing_the_agent_reads() -> None:
     """ProtectProc=invisible hides other users' processes. The agent reads /proc only for its own
-    descendants (hang detection, drills), which run as the agent's user."""
+    descendants (hang detection, drills; the threads of the standby workers it started) and for
+    /proc/meminfo (not a process), all of which it can see as the agent's user."""
     sources = {p: p.read_text() for p in (ROOT / "agent").glob("*.py")}
     readers = sorted(p.name for p, text in sources.items() if "/proc" in text)
-    assert readers == ["training.py"], readers
+    assert readers == ["memory_tier.py", "training.py", "warm_pool.py"], readers
+    assert 'f"/proc/{pid}/task"' in sources[ROOT / "agent" / "warm_pool.py"]  # its own standbys' threads
+    assert '"/proc/meminfo"' in sources[ROOT / "agent" / "memory_tier.py"]
     text = sources[ROOT / "agent" / "training.py"]
     assert 'Path(f"/proc/{pid}/stat")' in text and 'os.listdir("/proc")' in text
     assert "def descendants(pid: int)" in text  # walks the children of the process it started

@@ -34,6 +34,7 @@ def test_up_status_nodes_drill_down(tmp_path: Path, capsys: pytest.CaptureFixtur
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FTD_COORDINATOR", raising=False)
     monkeypatch.delenv("FTD_DRILL_TOKEN", raising=False)
+    monkeypatch.delenv("FTD_PKI_DIR", raising=False)
     work = tmp_path / "demo"
     rc, out, err = run(capsys, "up", "--workdir", str(work), "--nodes", "2", "--spares", "1")
     assert rc == 0, err
@@ -89,14 +90,22 @@ def test_up_status_nodes_drill_down(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_errors_are_clear(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("FTD_DRILL_TOKEN", raising=False)
+    monkeypatch.delenv("FTD_PKI_DIR", raising=False)
     dead = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("FTD_COORDINATOR", dead)
     rc, _, err = run(capsys, "--timeout", "0.3", "status")
     assert rc == 3 and dead in err and "ftd-coordinator" in err
+    assert "--pki-dir" in err, "a plaintext client is told how to use mTLS"
     rc, _, err = run(capsys, "--coordinator", "127.0.0.1:1", "status")
     assert rc == 2 and "conflicts with FTD_COORDINATOR" in err
-    rc, _, err = run(capsys, "drill", "--kill-node", "n")
-    assert rc == 2 and "drill token" in err
+    rc, _, err = run(capsys, "drill", "--kill-node", "n", "--token-file", str(tmp_path / "missing"))
+    assert rc == 2 and "--token-file" in err and "missing" in err
+    monkeypatch.setenv("FTD_PKI_DIR", str(tmp_path / "a"))
+    rc, _, err = run(capsys, "--pki-dir", str(tmp_path / "b"), "status")
+    assert rc == 2 and "conflicts with FTD_PKI_DIR" in err
+    rc, _, err = run(capsys, "status")
+    assert rc == 1 and str(tmp_path / "a" / "ca.crt") in err, "a missing PKI is named"
+    monkeypatch.delenv("FTD_PKI_DIR")
     rc, _, err = run(capsys, "down", "--workdir", str(tmp_path / "nothing"))
     assert rc == 1 and "cluster.json does not exist" in err
     monkeypatch.delenv("FTD_COORDINATOR")

@@ -40,14 +40,17 @@ def test_the_agents_settings_build_every_s3_setting(tmp_path: Path) -> None:
     settings = AgentSettings(node_id="n1", workdir=tmp_path, hdd_shared=True, s3_endpoint="http://s3.local:9000",
                              s3_bucket="b", s3_prefix="p", s3_region="ap-south-1", s3_timeout_s=4.0,
                              s3_max_attempts=7)
-    ssd, hdd, s3 = settings.tier_specs
+    mem, ssd, hdd, s3 = settings.tier_specs
+    assert mem.name == "mem" and mem.location == "n1" and mem.storage.path == Path("/dev/shm/ftd/n1")  # type: ignore[union-attr]
+    assert mem.storage.capacity_bytes > 0  # type: ignore[union-attr]  # a quarter of the node's memory
     assert ssd == TierSpec("ssd", "n1", LocalSpec(tmp_path / "ssd"))
     assert hdd == TierSpec("hdd", "shared", LocalSpec(tmp_path / "hdd"))
     assert s3 == TierSpec("s3", "s3", S3Spec(endpoint="http://s3.local:9000", bucket="b", prefix="p",
                                              region="ap-south-1", read_timeout_s=4.0, max_attempts=7,
                                              state_dir=tmp_path / "s3-uploads", spool_dir=tmp_path / "ssd"))
     assert tiers_from_proto(tiers_to_proto("n1", settings.tier_specs)) == settings.tier_specs
-    assert [s.name for s in AgentSettings(node_id="n1", workdir=tmp_path).tier_specs] == ["ssd", "hdd"]
+    assert [s.name for s in AgentSettings(node_id="n1", workdir=tmp_path).tier_specs] == ["mem", "ssd", "hdd"]
+    assert [s.name for s in AgentSettings(node_id="n1", workdir=tmp_path, mem_tier=False).tier_specs] == ["ssd", "hdd"]
 
 
 def test_the_factory_applies_every_s3_setting(monkeypatch: pytest.MonkeyPatch) -> None:

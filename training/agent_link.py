@@ -55,8 +55,18 @@ class AgentLink:
     def tiers(self) -> agent_pb2.Tiers:
         return self._call("GetTiers", agent_pb2.GetTiersRequest())  # type: ignore[no-any-return]
 
-    def commit_shard(self, manifest: checkpoint_pb2.ShardManifest) -> checkpoint_pb2.CommitShardResponse:
-        return self._call("CommitShard", checkpoint_pb2.CommitShardRequest(manifest=manifest))  # type: ignore[no-any-return]
+    def commit_shard(self, manifest: checkpoint_pb2.ShardManifest, tier: str = "",
+                     cadence: str = "") -> checkpoint_pb2.CommitShardResponse:
+        """``tier`` "" is the SSD; "mem" a memory snapshot (the agent replicates it to its buddy)."""
+        return self._call("CommitShard", checkpoint_pb2.CommitShardRequest(  # type: ignore[no-any-return]
+            manifest=manifest, tier=tier, cadence=cadence))
+
+    def fetch_shard(self, request: agent_pb2.FetchShardRequest,
+                    timeout_s: float = 300.0) -> agent_pb2.FetchShardResponse:
+        """A copy held by another node, pulled by the agent into a local directory. ``AgentUnavailable``
+        also when that node cannot be reached (the copy is skipped); ``CatalogRefused`` with NOT_FOUND
+        (not there) or DATA_LOSS (corrupt)."""
+        return self._call("FetchShard", request, timeout_s=timeout_s)  # type: ignore[no-any-return]
 
     def record_copy(self, request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
         return self._call("RecordCopy", request)  # type: ignore[no-any-return]

@@ -29,6 +29,28 @@ class CadencePolicy:
         if not 0 < self.max_stall_fraction <= 1:
             raise ValueError(f"max_stall_fraction must be in (0, 1], got {self.max_stall_fraction}")
 
+    def describe(self) -> str:
+        """The policy as the catalog keeps it with each step (``ftctl checkpoints list``), readable by
+        people and by :meth:`parse`: ``memory_every_steps=1 persist_every_steps=1000 persist_every_s=0``."""
+        return (f"memory_every_steps={self.memory_every_steps} persist_every_steps={self.persist_every_steps} "
+                f"persist_every_s={self.persist_every_s:g}")
+
+    @classmethod
+    def parse(cls, text: str) -> CadencePolicy:
+        """The inverse of :meth:`describe` (fields left out keep their defaults); ``ValueError`` for
+        anything else."""
+        fields: dict[str, float] = {}
+        for part in text.split():
+            name, sep, value = part.partition("=")
+            if not sep or name not in ("memory_every_steps", "persist_every_steps", "persist_every_s",
+                                       "max_stall_fraction"):
+                raise ValueError(f"not a cadence setting: {part!r}")
+            fields[name] = float(value)
+        return cls(memory_every_steps=int(fields.get("memory_every_steps", cls.memory_every_steps)),
+                   persist_every_steps=int(fields.get("persist_every_steps", cls.persist_every_steps)),
+                   persist_every_s=fields.get("persist_every_s", cls.persist_every_s),
+                   max_stall_fraction=fields.get("max_stall_fraction", cls.max_stall_fraction))
+
 
 @dataclass(frozen=True)
 class Decision:

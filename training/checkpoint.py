@@ -21,28 +21,44 @@ CRC32C before unpickling a byte, and on a mismatch records the corrupt copy and 
 when no tier has a good copy the step is invalidated (with the reason) and the previous valid step
 is tried. With ``torch.distributed`` initialised the ranks agree on one step.
 
+**Memory snapshots and cadence**: with a memory tier on the node (the agent's tmpfs directory),
+:meth:`Checkpointer.step_end` asks the job's :class:`~.cadence.CadencePolicy` what to do at each step:
+a memory snapshot (written into the memory tier, committed with tier ``mem``; the agent replicates it
+to its buddy node) every ``memory_every_steps`` unless the stall forbids, and a durable checkpoint
+(the memory copy copied to the SSD by a second thread) every ``persist_every_steps`` or
+``persist_every_s``. At most two snapshots per rank are held; one that would exceed the memory
+tier's budget is refused with a clear error (reported as ``memory_full``), never an OOM. Restore
+tries, fastest first: this node's memory, another node's memory (the buddy's, pulled through the
+agent: ``FetchShard``), the SSD, HDD, S3, then any other node's copy. A copy whose node cannot be
+reached is skipped, never recorded corrupt; a step is invalidated only when every copy was proven
+corrupt.
+
 **Emergency save**: on SIGTERM (and optional extra signals, or a preemption-notice file appearing)
 the latest snapshot is persisted before the process exits.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import grpc
 import torch
 
-from ftd.checkpoints.catalog import CheckpointRecord, CopyRef, ShardRecord, from_info
+from ftd.agent import memory_tier
+from ftd.checkpoints.catalog import MEMORY, TIERS, CheckpointRecord, CopyRef, ShardRecord, from_info
 from ftd.checkpoints.layout import (
     MANIFEST,
     FileEntry,
@@ -52,11 +68,12 @@ from ftd.checkpoints.layout import (
     parse_shard_key,
     shard_prefix,
 )
-from ftd.storage_backends.base import StorageBackend, StorageError, StorageFull, crc32c_file
+from ftd.storage_backends.base import ObjectNotFound, StorageBackend, StorageError, StorageFull, crc32c_file
 from ftd.storage_backends.tiers import Tier, open_tiers, tiers_from_proto
 from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
+from .cadence import CadencePolicy, decide
 from .handover import HandoverFlag, agree_any
 from .snapshot import Snapshotter
 
@@ -79,6 +96,11 @@ class RestoreError(RuntimeError):
     pass
 
 
+class _Skipped(Exception):
+    """A copy that could not be read now (its node unreachable, or it is not there): skipped, not
+    recorded corrupt."""
+
+
 @dataclass
 class SaveResult:
     step: int
@@ -88,6 +110,7 @@ class SaveResult:
     persist_s: float = 0.0  # background: write + checksum + publish + commit
     bytes: int = 0
     valid: bool = False  # the checkpoint was valid (all ranks in) when this rank committed
+    tier: str = "ssd"  # "mem": a memory snapshot
 
 
 def _env_int(name: str, default: int) -> int:
@@ -109,6 +132,7 @@ class Checkpointer:
         emergency_signals: Sequence[int] = (signal.SIGTERM,),
         preemption_file: str | None = None,
         install_signal_handlers: bool = True,
+        cadence: CadencePolicy | None = None,
     ) -> None:
         self.job = check_job(job)
         if format not in ("torch", "dcp"):
@@ -123,12 +147,28 @@ class Checkpointer:
         self.node_id = tiers.node_id
         self.epoch = epoch if epoch is not None else _env_int("FTD_EPOCH", self.agent.info().assignment.epoch)
         self.tiers: list[Tier] = open_tiers(tiers_from_proto(tiers))  # the agent's own specs, fastest first
-        self.ssd = self.tiers[0]
+        self.ssd = next(t for t in self.tiers if t.name != MEMORY)
+        self.mem: Tier | None = next((t for t in self.tiers if t.name == MEMORY), None)
+        self.cadence = cadence or CadencePolicy()
+        self._cadence_text = self.cadence.describe() if cadence is not None else ""
         self.last_error = ""
-        self.results: list[SaveResult] = []
+        self.results: collections.deque[SaveResult] = collections.deque(maxlen=1000)
         self._snap = Snapshotter()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ftd-ckpt-persist")
         self._inflight: Future[SaveResult] | None = None
+        self._buffers_free = threading.Event()  # set: no save is reading the snapshot buffers
+        self._buffers_free.set()
+        # The SSD copy of a memory snapshot (a durable step), and the step it still reads from memory.
+        self._durable_pool = ThreadPoolExecutor(1, thread_name_prefix="ftd-ckpt-durable")
+        self._durable: Future[SaveResult] | None = None
+        self._pinned: set[int] = set()
+        # Cadence state (step_end).
+        self._last_persist_step = -1
+        self._last_persist_s = 0.0
+        self._last_step_end: float | None = None
+        self._step_s = 0.0
+        self.last_blocked_s = 0.0
+        self.restored_from = ""  # the copy the last restore loaded ("mem@node-2", "ssd@node-0", ...)
         self._lock = threading.Lock()
         self._previous_handlers: dict[int, Any] = {}
         self._handover = HandoverFlag()
@@ -145,43 +185,191 @@ class Checkpointer:
     def _cleanup_leftovers(self) -> None:
         """A save interrupted by a crash leaves an unpublished staging folder of this rank; nobody
         else writes this rank's shards on this node, so they can all go now (other local ranks'
-        folders are left alone: they may be saving)."""
-        backend = self.ssd.backend
+        folders are left alone: they may be saving). The same on the memory tier."""
 
         def mine(key: str) -> bool:
             ident = parse_shard_key(key)
             return ident is not None and ident[2] == self.rank
 
-        try:
-            removed = backend.cleanup(f"{self.job}/", older_than_s=0.0, marker_name=MANIFEST, select=mine)
-        except (StorageError, OSError) as exc:
-            log.warning("could not clean leftovers on %s: %s", backend.name, exc)
-            return
-        if removed:
-            log.info("removed %d leftovers of interrupted saves of rank %d: %s", len(removed), self.rank, removed)
+        for tier in (self.ssd, *([self.mem] if self.mem is not None else [])):
+            backend = tier.backend
+            try:
+                removed = backend.cleanup(f"{self.job}/", older_than_s=0.0, marker_name=MANIFEST, select=mine)
+            except (StorageError, OSError) as exc:
+                log.warning("could not clean leftovers on %s: %s", backend.name, exc)
+                continue
+            if removed:
+                log.info("removed %d leftovers of interrupted saves of rank %d: %s", len(removed), self.rank, removed)
 
     # ---- save ----------------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: dict[str, Any]) -> Future[SaveResult]:
+    def save(self, step: int, state_dict: dict[str, Any], *, memory: bool = False,
+             durable: bool = True) -> Future[SaveResult]:
         """Snapshots ``state_dict`` into host memory and returns; the write happens in the background.
-        The previous save, if still in flight, is waited for first (its buffers are reused)."""
+        The previous save, if still writing, is waited for first (its buffers are reused); its commit
+        to the catalog may still be running.
+
+        ``durable`` (the default, and all a plain ``save()`` does): the shard is written to the node's
+        SSD tier. ``memory``: it is written to the node's memory tier first and committed there (the
+        agent replicates it to its buddy); with ``durable`` as well, a second thread then copies that
+        memory copy to the SSD, so the next snapshot waits for the memory write only. Without a memory
+        tier on the node ``memory`` is ignored. :meth:`step_end` chooses both by the cadence."""
         check_step(step)
+        memory = memory and self.mem is not None
+        if not (memory or durable):
+            raise ValueError("a save goes to memory, to durable storage, or both")
         started = time.perf_counter()
-        self._wait_inflight()
-        snap = self._snap.snapshot(state_dict)
+        self._buffers_free.wait()  # the previous save has read its snapshot (its commit may still run)
+        self._buffers_free.clear()
+        try:
+            snap = self._snap.snapshot(state_dict)
+        except BaseException:
+            self._buffers_free.set()
+            raise
         blocked = time.perf_counter() - started
+        self.last_blocked_s = blocked
         with self._lock:
-            self._inflight = self._pool.submit(self._persist, step, snap, blocked)
+            task = functools.partial(self._persist_memory, step, snap, blocked, durable) if memory else \
+                functools.partial(self._persist, step, snap, blocked)
+            self._inflight = self._pool.submit(self._releasing, task)
             return self._inflight
 
+    def _releasing(self, task: Callable[[], SaveResult]) -> SaveResult:
+        try:
+            return task()
+        finally:
+            self._buffers_free.set()
+
+    def step_end(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Future[SaveResult] | None:
+        """Call at the end of every training step: saves what the cadence says (``state_fn`` is called
+        only then). Returns the save's future, or ``None`` when nothing was saved at this step."""
+        now = time.monotonic()
+        if self._last_step_end is not None:  # the step time, smoothed: what the stall is compared with
+            took = now - self._last_step_end
+            self._step_s = took if self._step_s == 0 else 0.8 * self._step_s + 0.2 * took
+        self._last_step_end = now
+        d = decide(self.cadence, step, time.time(), self._last_persist_step, self._last_persist_s,
+                   stall_s=self.last_blocked_s, step_s=self._step_s)
+        memory = d.memory and self.mem is not None
+        if not (memory or d.persist):
+            return None
+        if d.persist:
+            self._last_persist_step, self._last_persist_s = step, time.time()
+        future = self.save(step, state_fn(), memory=memory, durable=d.persist)
+        self._last_step_end = time.monotonic()  # the save's stall is measured apart (last_blocked_s)
+        return future
+
     def wait(self) -> SaveResult | None:
-        """Blocks until the in-flight save (if any) is persisted and committed; returns its result."""
-        return self._wait_inflight()
+        """Blocks until the in-flight save (if any) is persisted and committed, its SSD copy too;
+        returns its result (of the SSD copy when the newest save was durable)."""
+        result = self._wait_inflight()
+        with self._lock:
+            durable = self._durable
+        if durable is not None:
+            copied = durable.result()
+            if result is None or copied.step >= result.step:
+                return copied
+        return result
 
     def _wait_inflight(self) -> SaveResult | None:
         with self._lock:
             inflight = self._inflight
         return inflight.result() if inflight is not None else None
+
+    def _persist_memory(self, step: int, snap: Any, blocked: float, durable: bool) -> SaveResult:
+        """The memory snapshot: room made (the oldest of this rank's snapshots go), the budget
+        checked, the shard written into the memory tier and committed there; then, for a durable
+        step, the SSD copy queued (or, if the memory write failed, the SSD written directly)."""
+        assert self.mem is not None
+        started = time.perf_counter()
+        result = SaveResult(step, ok=False, blocked_s=blocked, tier=MEMORY)
+        self._event(step, "started", blocked_s=blocked, tier=MEMORY)
+        root = self.mem.backend.root  # type: ignore[attr-defined]  # a directory tier
+        capacity = getattr(self.mem.spec.storage, "capacity_bytes", 0)
+        manifest: ShardManifest | None = None
+        deleted: list[int] = []
+        try:
+            held = [s for s in memory_tier.snapshots(root, self.job, self.rank) if s != step]
+            with self._lock:
+                copying = self._durable if self._pinned & set(held[:max(0, len(held) - memory_tier.KEEP + 1)]) \
+                    else None
+            if copying is not None:
+                copying.result()  # the oldest snapshot is still being copied to the SSD: it goes after
+            estimate = self._snap.buffer_bytes + self._snap.buffer_bytes // 100 + (256 << 10)  # + torch.save's framing
+            deleted = memory_tier.admit(self.mem.backend, root, capacity, self.job, self.rank, step, estimate,
+                                        f"the memory snapshot of step {step} (rank {self.rank})", set(self._pinned))
+            manifest = self._write_shard(step, snap, self.mem)
+            self._buffers_free.set()  # written: the next snapshot may take the buffers while this one commits
+            response = self.agent.commit_shard(_manifest_proto(manifest), tier=MEMORY, cadence=self._cadence_text)
+            result.ok, result.bytes, result.valid = True, manifest.total_bytes, response.checkpoint.valid
+        except StorageFull as exc:  # the budget (MemoryFull), or tmpfs itself: refused, training goes on
+            result.error = str(exc)
+            self._report_failure(step, result.error, "memory_full")
+        except (StorageError, OSError, RuntimeError, AgentUnavailable, CatalogRefused) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            self._report_failure(step, result.error, "error")
+        if not result.ok:
+            for old in deleted:  # the catalog must not keep offering what this node deleted
+                self._record_gone(old, self.mem)
+        result.persist_s = time.perf_counter() - started
+        self._event(step, "done" if result.ok else "failed", persist_s=result.persist_s, bytes=result.bytes,
+                    tier=MEMORY)
+        self.results.append(result)
+        if durable and manifest is not None:  # in memory (committed or not): the SSD copy is made from there
+            with self._lock:
+                self._pinned.add(step)
+                self._durable = self._durable_pool.submit(self._copy_durable, step, manifest, blocked)
+        elif durable:  # the buffers were not released: the snapshot is still there
+            log.warning("step %d: no memory copy (%s); writing the durable checkpoint directly", step, result.error)
+            return self._persist(step, snap, blocked)
+        return result
+
+    def _copy_durable(self, step: int, manifest: ShardManifest, blocked: float) -> SaveResult:
+        """A durable step: the memory copy's files copied to the SSD tier (every file's CRC32C
+        compared with the manifest as it streams), published with the same manifest, committed."""
+        assert self.mem is not None
+        started = time.perf_counter()
+        result = SaveResult(step, ok=False, blocked_s=blocked)
+        prefix = shard_prefix(self.job, step, self.rank)
+        try:
+            backend = self.ssd.backend
+            if backend.is_published(prefix, MANIFEST):
+                backend.delete_prefix(prefix, marker_name=MANIFEST)
+            staging = backend.stage(prefix)
+            try:
+                with self.mem.backend.local_folder(prefix, [f.name for f in manifest.files]) as folder:
+                    for entry in manifest.files:
+                        info = staging.put_file(entry.name, folder / entry.name)
+                        if (info.size, info.crc32c) != (entry.size, entry.crc32c):
+                            raise StorageError(backend.name, prefix, f"{entry.name}: the memory copy changed while "
+                                                                     f"copied ({info.crc32c}, not {entry.crc32c})")
+                staging.publish(MANIFEST, manifest.encode())
+            except BaseException:
+                with contextlib.suppress(StorageError, OSError):
+                    staging.abort()
+                raise
+            response = self.agent.commit_shard(_manifest_proto(manifest), tier="ssd", cadence=self._cadence_text)
+            result.ok, result.bytes, result.valid = True, manifest.total_bytes, response.checkpoint.valid
+        except StorageFull as exc:
+            result.error = str(exc)
+            self._report_failure(step, result.error, "disk_full")
+        except (StorageError, OSError, RuntimeError, AgentUnavailable, CatalogRefused) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            self._report_failure(step, result.error, "error")
+        finally:
+            with self._lock:
+                self._pinned.discard(step)
+        result.persist_s = time.perf_counter() - started
+        self._event(step, "done" if result.ok else "failed", persist_s=result.persist_s, bytes=result.bytes)
+        self.results.append(result)
+        return result
+
+    def _record_gone(self, step: int, tier: Tier, rank: int | None = None) -> None:
+        """This node no longer holds its copy of ``step`` on ``tier`` (this rank's, or ``rank``'s)."""
+        with contextlib.suppress(AgentUnavailable, CatalogRefused):
+            self.agent.record_copy(checkpoint_pb2.RecordCopyRequest(
+                job=self.job, step=step, rank=self.rank if rank is None else rank, tier=tier.name,
+                location=tier.location, present=False))
 
     def _persist(self, step: int, snap: Any, blocked: float) -> SaveResult:
         started = time.perf_counter()
@@ -189,8 +377,9 @@ class Checkpointer:
         self._event(step, "started", blocked_s=blocked)
         try:
             manifest = self._write_shard(step, snap)
+            self._buffers_free.set()  # written: the next snapshot may take the buffers while this one commits
             failpoint("ckpt.before_commit")
-            response = self.agent.commit_shard(_manifest_proto(manifest))
+            response = self.agent.commit_shard(_manifest_proto(manifest), cadence=self._cadence_text)
             result.ok, result.bytes, result.valid = True, manifest.total_bytes, response.checkpoint.valid
         except StorageFull as exc:
             result.error = str(exc)
@@ -214,8 +403,8 @@ class Checkpointer:
         with contextlib.suppress(AgentUnavailable, CatalogRefused):
             self.agent.report(self.rank, error=self.last_error, error_kind=kind)
 
-    def _write_shard(self, step: int, snap: Any) -> ShardManifest:
-        backend = self.ssd.backend
+    def _write_shard(self, step: int, snap: Any, tier: Tier | None = None) -> ShardManifest:
+        backend = (tier or self.ssd).backend
         prefix = shard_prefix(self.job, step, self.rank)
         if backend.is_published(prefix, MANIFEST):
             # A published folder for this step: another timeline's (after a rollback) or a crash
@@ -256,11 +445,13 @@ class Checkpointer:
         there is no valid checkpoint. ``template`` is required for the ``dcp`` format (loaded in place).
         ``replicated=True`` (data parallel: every rank holds the same state) lets a world of another
         size restore: rank r reads shard ``r % old_world_size``."""
-        for _ in range(attempts):
+        for attempt in range(attempts):
             target = self.agent.restore_target(self.job)
             loaded: tuple[int, Any] | None = None
             if target.found:
                 loaded = self._load_step(target.checkpoint, map_location, template, weights_only, replicated)
+                if loaded is None:  # a copy's node unreachable for now, or the step just invalidated
+                    time.sleep(min(5.0, 0.5 * (attempt + 1)))
             agreed = _agree(loaded[0] if loaded else (-1 if not target.found else -2))
             if agreed is None:  # ranks disagree: someone invalidated a step; everyone asks again
                 continue
@@ -279,28 +470,93 @@ class Checkpointer:
         if shard is None:
             raise RestoreError(f"step {record.step} of job {self.job} has no shard for rank {self.rank} "
                                f"(world size {record.world_size}); was it saved with another world size?")
-        problems = []
-        for tier in self._candidates(shard):
+        problems: list[str] = []
+        skipped: list[str] = []  # unreachable or not there: no proof of corruption
+        for copy, tier in self._candidates(shard):
             try:
-                return record.step, self._read(tier, record, shard, map_location, template, weights_only)
+                state = (self._read(tier, record, shard, map_location, template, weights_only) if tier is not None
+                         else self._read_remote(copy, record, shard, map_location, template, weights_only))
+                self.restored_from = f"{copy}" + ("" if tier is not None else " (pulled through the agent)")
+                return record.step, state
+            except _Skipped as exc:
+                skipped.append(f"{copy}: {exc}")
+                log.warning("rank %d step %d: copy on %s skipped (%s), trying the next one", self.rank, record.step,
+                            copy, exc)
             except (StorageError, OSError, RuntimeError, ValueError) as exc:
                 why = f"{type(exc).__name__}: {exc}"
-                problems.append(f"{CopyRef(tier.name, tier.location)}: {why}")
-                log.warning("rank %d step %d: copy on %s unusable, trying the next tier: %s", self.rank, record.step,
-                            tier.name, why)
-                with contextlib.suppress(AgentUnavailable, CatalogRefused):
+                if copy.tier == MEMORY and tier is not None and isinstance(exc, (FileNotFoundError, ObjectNotFound)):
+                    skipped.append(f"{copy}: gone ({why})")  # a newer snapshot replaced it: not corrupt
+                    self._record_gone(record.step, tier, shard.rank)
+                    continue
+                problems.append(f"{copy}: {why}")
+                log.warning("rank %d step %d: copy on %s unusable, trying the next one: %s", self.rank, record.step,
+                            copy, why)
+                with contextlib.suppress(AgentUnavailable, CatalogRefused):  # a peer's copy: recorded by its node
                     self.agent.record_copy(checkpoint_pb2.RecordCopyRequest(
-                        job=self.job, step=record.step, rank=shard.rank, tier=tier.name, location=tier.location,
+                        job=self.job, step=record.step, rank=shard.rank, tier=copy.tier, location=copy.location,
                         present=True, corrupt_reason=why[:400]))
+        if skipped:
+            log.error("step %d of job %s: rank %d could read no copy now (%s); not invalidated: an unreachable copy is "
+                      "no corrupt one", record.step, self.job, self.rank, "; ".join([*problems, *skipped])[:2000])
+            return None
         reason = f"rank {self.rank}: no tier holds a verified copy ({'; '.join(problems) or 'no copy recorded'})"
         log.error("step %d of job %s is unrecoverable: %s", record.step, self.job, reason)
         with contextlib.suppress(AgentUnavailable, CatalogRefused):
             self.agent.invalidate(self.job, record.step, reason[:500])
         return None
 
-    def _candidates(self, shard: ShardRecord) -> list[Tier]:
-        """Tiers that hold a copy not known to be corrupt, fastest first."""
-        return [tier for tier in self.tiers if shard.has_good_copy(CopyRef(tier.name, tier.location))]
+    def _candidates(self, shard: ShardRecord) -> list[tuple[CopyRef, Tier | None]]:
+        """The copies not known to be corrupt, each with this node's tier that reads it (``None``: on
+        another node, pulled through the agent), in the restore order: this node's memory, another
+        node's memory (the buddy's), then this node's SSD, HDD (its own or shared), S3, and last the
+        other nodes' disks."""
+        mine = {(t.name, t.location): t for t in self.tiers}
+        order = {name: i for i, name in enumerate(TIERS)}
+
+        def rank(item: tuple[CopyRef, Tier | None]) -> tuple[int, int, str]:
+            copy, tier = item
+            speed = order.get(copy.tier, len(order))
+            if copy.tier == MEMORY:
+                return (0 if tier is not None else 1), speed, copy.location
+            return (2 if tier is not None else 3), speed, copy.location
+
+        return sorted(((c, mine.get((c.tier, c.location))) for c in shard.good_copies()), key=rank)
+
+    def _read_remote(self, copy: CopyRef, record: CheckpointRecord, shard: ShardRecord, map_location: Any,
+                     template: dict[str, Any] | None, weights_only: bool) -> Any:
+        """A copy on another node: the agent pulls it (``FetchShard``: its agent streams it, every
+        file's CRC32C checked as it lands) into a local directory, then it is verified against the
+        catalog and loaded like a local one."""
+        request = agent_pb2.FetchShardRequest(
+            job=self.job, step=record.step, rank=shard.rank, tier=copy.tier, location=copy.location,
+            expected=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in shard.files])
+        try:
+            got = self.agent.fetch_shard(request)
+        except AgentUnavailable as exc:
+            raise _Skipped(f"unreachable: {exc}") from exc
+        except CatalogRefused as exc:
+            if exc.code == grpc.StatusCode.DATA_LOSS:
+                raise ValueError(f"arrived corrupt: {exc}") from exc
+            raise _Skipped(f"not readable there ({exc})") from exc
+        expected = {f.name: (f.size, f.crc32c) for f in shard.files}
+        if got.verified:  # checked against these very checksums as the bytes landed: not read twice
+            return self._load_checked(Path(got.path), expected, map_location, template, weights_only)
+        return self._verify_and_load(Path(got.path), expected, map_location, template, weights_only)
+
+    def _load_checked(self, directory: Path, expected: dict[str, tuple[int, str]], map_location: Any,
+                      template: dict[str, Any] | None, weights_only: bool) -> Any:
+        """Loads a pulled copy whose every file this node's agent checked against the catalog's
+        CRC32C as it arrived (``FetchShardResponse.verified``) and renamed into place only then;
+        the sizes are checked again here."""
+        for name, (size, _) in expected.items():
+            actual_size = (directory / name).stat().st_size
+            if actual_size != size:
+                raise ValueError(f"{directory / name}: {actual_size} bytes, the catalog says {size}")
+        if self.format == "torch" or "state.pt" in expected:
+            return torch.load(directory / "state.pt", map_location=map_location, mmap=True, weights_only=weights_only)
+        if template is None:
+            raise ValueError("a dcp checkpoint is loaded in place: pass template=model/optimizer state dict")
+        return _load_dcp(directory, expected, template, weights_only)
 
     def _read(self, tier: Tier, record: CheckpointRecord, shard: ShardRecord, map_location: Any,
               template: dict[str, Any] | None, weights_only: bool) -> Any:
@@ -325,10 +581,7 @@ class Checkpointer:
             return torch.load(directory / "state.pt", map_location=map_location, mmap=True, weights_only=weights_only)
         if template is None:
             raise ValueError("a dcp checkpoint is loaded in place: pass template=model/optimizer state dict")
-        from torch.distributed.checkpoint import state_dict_loader
-
-        state_dict_loader.load(template, checkpoint_id=str(directory), no_dist=True)
-        return template
+        return _load_dcp(directory, expected, template, weights_only)
 
     # ---- progress and emergencies ------------------------------------------------------------------
 
@@ -389,10 +642,95 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+        self._durable_pool.shutdown(wait=True)
         for sig, handler in self._previous_handlers.items():
             with contextlib.suppress(ValueError):
                 signal.signal(sig, handler)
         self.agent.close()
+
+
+# ---- dcp restore: nothing is unpickled before it is verified --------------------------------------------
+#
+# A dcp shard is a folder: ``.metadata`` (a pickle of torch.distributed.checkpoint's Metadata, which
+# DCP's own FileSystemReader loads with plain ``pickle.load``, i.e. it can run any code) and data
+# files (tensors as raw bytes; other objects as torch.save blobs that DCP loads with
+# ``weights_only=True``). Before anything is read, every file the catalog lists was checked against
+# its size and CRC32C (``_verify_and_load``); then:
+#
+# * ``.metadata`` must be one of those verified files (a manifest without it is refused);
+# * ``weights_only=True`` (the default): ``.metadata`` is unpickled by a restricted unpickler that
+#   builds only DCP's metadata classes, torch sizes, dtypes and layouts, and paths (anything else is
+#   refused, naming it), so a crafted ``.metadata`` cannot run code even if its checksum was
+#   recorded by a lying node; ``weights_only=False``: DCP's stock reader (plain pickle) reads it,
+#   trusting whoever committed the shard, like ``torch.load(weights_only=False)``;
+# * every data file the metadata points at must be one of the verified files (no reading outside the
+#   shard, nothing unverified).
+
+_DCP_METADATA = ".metadata"
+_DCP_ALLOWED = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "Path"), ("collections", "OrderedDict"),
+}
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+def _safe_dcp_metadata(path: Path) -> Any:
+    """``.metadata`` unpickled with only DCP's metadata types allowed (see above)."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module == _DCP_METADATA_MODULE and not name.startswith("__"):
+                found = super().find_class(module, name)
+                if isinstance(found, type) and found.__module__ == module:  # its own classes, not imports
+                    return found
+            elif (module, name) in _DCP_ALLOWED:
+                return super().find_class(module, name)
+            elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise pickle.UnpicklingError(f"{path}: refusing to unpickle {module}.{name} (not a dcp metadata type; "
+                                         "load with weights_only=False only if you trust whoever saved it)")
+
+    with open(path, "rb") as f:
+        try:
+            return Restricted(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, IndexError, KeyError) as exc:
+            raise ValueError(f"{path}: not a dcp metadata file this loader accepts: {exc}") from exc
+
+
+def _load_dcp(directory: Path, expected: dict[str, tuple[int, str]], template: dict[str, Any],
+              weights_only: bool) -> dict[str, Any]:
+    """Loads a verified dcp shard into ``template`` in place (see above)."""
+    from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if _DCP_METADATA not in expected:
+        raise ValueError(f"{directory}: the shard's manifest does not list {_DCP_METADATA}; refusing to unpickle "
+                         "a file whose checksum nobody recorded")
+    metadata = _safe_dcp_metadata(directory / _DCP_METADATA) if weights_only else None
+
+    class Verified(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            loaded = metadata if metadata is not None else super().read_metadata(*args, **kwargs)
+            if not isinstance(loaded, Metadata):
+                raise ValueError(f"{directory}/{_DCP_METADATA} holds a {type(loaded).__name__}, not dcp Metadata")
+            for info in (loaded.storage_data or {}).values():
+                name = str(getattr(info, "relative_path", ""))
+                if name not in expected or name == _DCP_METADATA:
+                    raise ValueError(f"{directory}/{_DCP_METADATA} points at {name[:200]!r}, which is not a verified "
+                                     "file of this shard")
+            return loaded
+
+    try:
+        state_dict_loader.load(template, storage_reader=Verified(str(directory)), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: the tier loop would not see it
+        causes = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()) or str(exc)
+        raise ValueError(f"{directory}: dcp load failed: {causes}") from exc
+    return template
 
 
 def _manifest_proto(m: ShardManifest) -> checkpoint_pb2.ShardManifest:

@@ -7,6 +7,10 @@ that training resumed at the latest valid step, that all ranks hold identical pa
 loss keeps decreasing.
 
     torchrun ... -m ftd.training.demo_job --steps 400 --ckpt-every 10 --out /tmp/run
+
+With ``--memory-every N`` the job follows a save cadence instead (:class:`ftd.training.cadence.CadencePolicy`,
+through :meth:`Checkpointer.step_end`): a memory snapshot every N steps (replicated by the agent to its
+buddy node) and a durable checkpoint every ``--persist-every`` steps or ``--persist-every-s`` seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ftd.training import Checkpointer
+from ftd.training.cadence import CadencePolicy
 
 FEATURES = 32
 
@@ -78,6 +83,9 @@ class PlainCheckpoints:
     def should_stop(self, step: int) -> bool:
         return False  # no agent tells a plain job about a hand-over
 
+    def step_end(self, step: int, state_fn: Any) -> None:
+        pass
+
     def hand_over(self, step: int) -> None:
         pass
 
@@ -96,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plain-ckpt", type=Path, default=None,
                     help="baseline mode without ftd: per-rank torch.save under this dir (bench/recovery.py)")
+    ap.add_argument("--memory-every", type=int, default=0,
+                    help="a memory snapshot every N steps, by the save cadence (0: --ckpt-every saves only)")
+    ap.add_argument("--persist-every", type=int, default=1000, help="with --memory-every: durable every N steps")
+    ap.add_argument("--persist-every-s", type=float, default=0.0, help="with --memory-every: durable every S seconds")
     args = ap.parse_args(argv)
+    cadence = CadencePolicy(args.memory_every, args.persist_every, args.persist_every_s) if args.memory_every else None
     booted = time.time()
 
     dist.init_process_group("gloo")
@@ -116,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ckpt: Checkpointer | PlainCheckpoints = (PlainCheckpoints(args.plain_ckpt, rank, world) if args.plain_ckpt
-                                             else Checkpointer(os.environ.get("FTD_JOB", "demo")))
+                                             else Checkpointer(os.environ.get("FTD_JOB", "demo"), cadence=cadence))
     start = 0
     restored = ckpt.load_latest(replicated=True)
     if restored is not None:
@@ -124,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = step + 1
-    emit(event="start", restored_step=restored[0] if restored else -1, params_crc=params_crc(model))
+    emit(event="start", restored_step=restored[0] if restored else -1, params_crc=params_crc(model),
+         restored_from=getattr(ckpt, "restored_from", ""))
     for step in range(start, args.steps):
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -137,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
             emit(event="handover", step=step)
             ckpt.hand_over(step)  # the agent stops this process once the new world is committed
-        if step % args.ckpt_every == 0:
+        if cadence is not None:
+            ckpt.step_end(step, lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})  # noqa: B023
+        elif step % args.ckpt_every == 0:
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
         time.sleep(args.step_time)
     ckpt.wait()

@@ -12,15 +12,22 @@ torch's ``etcd`` and ``etcd-v2`` backends need the v2 API, which etcd 3.6 remove
   compare-and-swap).
 
     torchrun --rdzv-backend=etcd-v3 --rdzv-endpoint=ETCD1:2379[,ETCD2:2379] --rdzv-id=JOB --nnodes=2 ...
+
+TLS to etcd (:func:`etcd_tls`), as torch's own etcd backend takes it: ``--rdzv-conf ca_cert=CA,
+ssl_cert=CRT,ssl_cert_key=KEY``; or ``--rdzv-conf pki_dir=DIR,node_id=NODE`` (``$FTD_PKI_DIR`` and
+``$FTD_NODE_ID`` by default) for the node's ``rendezvous/<node_id>`` certificate of the cluster PKI,
+whose CN ``ftd-rendezvous`` is the etcd user that may use ``/torch/elastic/`` and nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -37,7 +44,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from ftd.etcd_client import make_client, next_member
+from ftd.etcd_client import EtcdTls, make_client, next_member
+from ftd.pki import IdentityFiles, PkiError
 
 T = TypeVar("T")
 BACKEND = "etcd-v3"
@@ -211,8 +219,32 @@ class EtcdV3Store(Store):
                 self.client.cancel_watch(watch_id)
 
 
+def etcd_tls(params: RendezvousParameters) -> EtcdTls | None:
+    """TLS to etcd from ``--rdzv-conf`` (torch's ``ca_cert``/``ssl_cert``/``ssl_cert_key``, or
+    ``pki_dir`` with ``node_id``) or ``$FTD_PKI_DIR``/``$FTD_NODE_ID``; ``None``: plaintext. Raises
+    ``ValueError`` naming what is missing."""
+    ca, cert, key = params.get("ca_cert"), params.get("ssl_cert"), params.get("ssl_cert_key")
+    if ca or cert or key:
+        if not ca:
+            raise ValueError("ca_cert is required with ssl_cert/ssl_cert_key")
+        return EtcdTls(Path(ca), Path(cert) if cert else None, Path(key) if key else None)
+    pki_dir = params.get("pki_dir") or os.environ.get("FTD_PKI_DIR")
+    if not pki_dir:
+        return None
+    node_id = params.get("node_id") or os.environ.get("FTD_NODE_ID")
+    if not node_id:
+        raise ValueError("pki_dir needs node_id (--rdzv-conf node_id=... or $FTD_NODE_ID): the rendezvous "
+                         "certificate is rendezvous/<node_id>")
+    try:
+        files = IdentityFiles(Path(pki_dir), "rendezvous", str(node_id))
+        files.load()
+    except PkiError as exc:
+        raise ValueError(str(exc)) from exc
+    return EtcdTls.of_identity(files)
+
+
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
-    client = make_client(params.endpoint, float(params.get_as_int("read_timeout", 60) or 60))
+    client = make_client(params.endpoint, float(params.get_as_int("read_timeout", 60) or 60), etcd_tls(params))
     backend = EtcdV3RendezvousBackend(client, params.run_id, params.get("key_prefix", "/torch/elastic/rendezvous"))
     store = EtcdV3Store(client, f"/torch/elastic/store/{params.run_id}")
     return backend, store
@@ -221,7 +253,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     try:
         backend, store = create_backend(params)
-    except ValueError as exc:
+    except (ValueError, PkiError) as exc:
         raise RendezvousStateError(f"bad etcd-v3 rendezvous parameters: {exc}") from exc
     return dynamic_rendezvous.create_handler(store, backend, params)
 

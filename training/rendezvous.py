@@ -18,7 +18,9 @@ Loaded through torch's ``torchrun.handlers`` entry point. What it adds to torch'
   coordinator, so no fixed host is a single point of failure.
 
 The node id comes from ``$FTD_NODE_ID`` (set by the agent that launches torchrun) or ``node_id`` in
-``--rdzv-conf``; its agent's socket from ``$FTD_AGENT_SOCKET``.
+``--rdzv-conf``; its agent's socket from ``$FTD_AGENT_SOCKET``. With ``$FTD_PKI_DIR`` (set by an agent
+that runs with mTLS) the handler talks to the coordinator as ``rendezvous/<node_id>``, the node's
+rendezvous certificate: it may join rounds and publish the store as that node, nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -44,6 +47,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from ftd.coordinator.client import CoordinatorClient
+from ftd.pki import IdentityFiles, PkiError
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
@@ -57,7 +61,7 @@ _POLL_S = 0.2
 class FtdRendezvousHandler(RendezvousHandler):
     def __init__(self, job: str, endpoints: str, node_id: str, local_addr: str, min_nodes: int, max_nodes: int,
                  max_restarts: int = 10, join_timeout_s: float = 600.0, store_timeout_s: float = 300.0,
-                 agent_socket: str | None = None) -> None:
+                 agent_socket: str | None = None, pki_dir: str | None = None) -> None:
         self.job = job
         self.node_id = node_id
         self.local_addr = local_addr
@@ -66,7 +70,8 @@ class FtdRendezvousHandler(RendezvousHandler):
         self.max_restarts = max_restarts
         self.join_timeout_s = join_timeout_s
         self.store_timeout = timedelta(seconds=store_timeout_s)
-        self.client = CoordinatorClient(endpoints, timeout_s=5.0)
+        self.client = CoordinatorClient(endpoints, timeout_s=5.0, tls=rendezvous_identity(
+            pki_dir if pki_dir is not None else os.environ.get("FTD_PKI_DIR"), node_id))
         self.agent = AgentLink(agent_socket) if agent_socket or os.environ.get("FTD_AGENT_SOCKET") else None
         self._round = -1
         self._epoch = -1
@@ -181,6 +186,19 @@ class FtdRendezvousHandler(RendezvousHandler):
                                        f"{rpc_details(exc)}") from exc
 
 
+def rendezvous_identity(pki_dir: str | None, node_id: str) -> IdentityFiles | None:
+    """The node's ``rendezvous/<node_id>`` certificate under ``pki_dir`` (``None``: plaintext). A
+    missing or bad one fails the handler's creation with the file named."""
+    if not pki_dir:
+        return None
+    try:
+        files = IdentityFiles(Path(pki_dir), "rendezvous", node_id)
+        files.load()
+    except PkiError as exc:
+        raise RendezvousStateError(f"the ftd rendezvous of node {node_id} cannot use mTLS: {exc}") from exc
+    return files
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's creator signature: ``--rdzv-*`` options → a handler."""
     node_id = params.get("node_id") or os.environ.get("FTD_NODE_ID") or socket.gethostname()
@@ -191,6 +209,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         max_restarts=params.get_as_int("max_restarts", 10) or 10,
         join_timeout_s=float(params.get_as_int("join_timeout", 600) or 600),
         store_timeout_s=float(params.get_as_int("store_timeout", 300) or 300),
+        pki_dir=params.get("pki_dir") or None,
     )
 
 

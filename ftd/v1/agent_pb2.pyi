@@ -6,6 +6,7 @@ over TCP. Destructive operations need `authorization: Bearer <drill token>` meta
 """
 
 from collections import abc as _abc
+from ftd.v1 import checkpoint_pb2 as _checkpoint_pb2
 from ftd.v1 import cluster_pb2 as _cluster_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -21,6 +22,262 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class OpenShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    transfer: _builtins.bytes
+    """16 random bytes: the connection's ticket and the records' associated data"""
+    key: _builtins.bytes
+    """AES-128-GCM key of this transfer only"""
+    chunk_bytes: _builtins.int
+    """plaintext bytes per record (the last record of a file is shorter)"""
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[_checkpoint_pb2.ShardFile]:
+        """in the order sent, manifest last; crc32c from the holder's manifest"""
+
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        transfer: _builtins.bytes = ...,
+        key: _builtins.bytes = ...,
+        files: _abc.Iterable[_checkpoint_pb2.ShardFile] | None = ...,
+        chunk_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "files", b"files", "key", b"key", "port", b"port", "transfer", b"transfer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenShardResponse: _TypeAlias = OpenShardResponse  # noqa: Y015
+
+@_typing.final
+class WriteShardHeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    step: _builtins.int
+    rank: _builtins.int
+    tier: _builtins.str
+    """"mem" """
+    bytes: _builtins.int
+    """every file of the shard, the manifest included"""
+    source: _builtins.str
+    """the sending node"""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        tier: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "job", b"job", "rank", b"rank", "source", b"source", "step", b"step", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteShardHeader: _TypeAlias = WriteShardHeader  # noqa: Y015
+
+@_typing.final
+class WriteShardChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___WriteShardHeader: ...
+    @_builtins.property
+    def chunk(self) -> Global___ShardChunk: ...
+    def __init__(
+        self,
+        *,
+        header: Global___WriteShardHeader | None = ...,
+        chunk: Global___ShardChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___WriteShardChunk: _TypeAlias = WriteShardChunk  # noqa: Y015
+
+@_typing.final
+class WriteShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    seconds: _builtins.float
+    message: _builtins.str
+    """what the buddy did ("recorded mem@node-2", "already held")"""
+    def __init__(
+        self,
+        *,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "message", b"message", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteShardResponse: _TypeAlias = WriteShardResponse  # noqa: Y015
+
+@_typing.final
+class ReadShardRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    step: _builtins.int
+    rank: _builtins.int
+    tier: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        tier: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "rank", b"rank", "step", b"step", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadShardRequest: _TypeAlias = ReadShardRequest  # noqa: Y015
+
+@_typing.final
+class ShardChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    END_OF_FILE_FIELD_NUMBER: _builtins.int
+    CRC32C_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """the file, relative to the shard folder"""
+    size: _builtins.int
+    """the file's size (on its first chunk)"""
+    data: _builtins.bytes
+    end_of_file: _builtins.bool
+    crc32c: _builtins.str
+    """on the file's last chunk: the CRC32C of everything sent"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        end_of_file: _builtins.bool = ...,
+        crc32c: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32c", b"crc32c", "data", b"data", "end_of_file", b"end_of_file", "name", b"name", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardChunk: _TypeAlias = ShardChunk  # noqa: Y015
+
+@_typing.final
+class FetchShardRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    EXPECTED_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    step: _builtins.int
+    rank: _builtins.int
+    tier: _builtins.str
+    location: _builtins.str
+    """the node holding the copy"""
+    @_builtins.property
+    def expected(self) -> _containers.RepeatedCompositeFieldContainer[_checkpoint_pb2.ShardFile]:
+        """the catalog's files: every one is checked as it lands (empty: not)"""
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        tier: _builtins.str = ...,
+        location: _builtins.str = ...,
+        expected: _abc.Iterable[_checkpoint_pb2.ShardFile] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected", b"expected", "job", b"job", "location", b"location", "rank", b"rank", "step", b"step", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchShardRequest: _TypeAlias = FetchShardRequest  # noqa: Y015
+
+@_typing.final
+class FetchShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    VERIFIED_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """a local directory holding the verified shard files"""
+    bytes: _builtins.int
+    seconds: _builtins.float
+    verified: _builtins.bool
+    """every file of `expected` arrived with its size and CRC32C"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+        verified: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "path", b"path", "seconds", b"seconds", "verified", b"verified"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchShardResponse: _TypeAlias = FetchShardResponse  # noqa: Y015
 
 @_typing.final
 class VerifyCopyRequest(_message.Message):
@@ -108,7 +365,7 @@ class Tiers(_message.Message):
     node_id: _builtins.str
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSpec]:
-        """the first one is the node's hot (SSD) tier"""
+        """fastest first: the memory tier (if any), the SSD, ..."""
 
     def __init__(
         self,
@@ -135,7 +392,7 @@ class TierSpec(_message.Message):
     LOCAL_FIELD_NUMBER: _builtins.int
     S3_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """"ssd", "hdd", "s3" """
+    """"mem", "ssd", "hdd", "s3" """
     location: _builtins.str
     """a node id for node-local tiers, "shared" or "s3" for shared ones"""
     @_builtins.property
@@ -167,15 +424,19 @@ class LocalTier(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PATH_FIELD_NUMBER: _builtins.int
+    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     path: _builtins.str
+    capacity_bytes: _builtins.int
+    """at most this many bytes held (the memory tier); 0: the filesystem's free space"""
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
+        capacity_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "path", b"path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -398,6 +659,7 @@ class CheckpointEvent(_message.Message):
     BLOCKED_S_FIELD_NUMBER: _builtins.int
     PERSIST_S_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     phase: _builtins.str
     """"started" (the snapshot is taken), "done", "failed" """
@@ -406,6 +668,8 @@ class CheckpointEvent(_message.Message):
     persist_s: _builtins.float
     """background write + checksum + publish + commit"""
     bytes: _builtins.int
+    tier: _builtins.str
+    """where the shard was written: "ssd" (also when empty) or "mem" (a memory snapshot)"""
     def __init__(
         self,
         *,
@@ -414,10 +678,11 @@ class CheckpointEvent(_message.Message):
         blocked_s: _builtins.float = ...,
         persist_s: _builtins.float = ...,
         bytes: _builtins.int = ...,
+        tier: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_s", b"blocked_s", "bytes", b"bytes", "persist_s", b"persist_s", "phase", b"phase", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked_s", b"blocked_s", "bytes", b"bytes", "persist_s", b"persist_s", "phase", b"phase", "step", b"step", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

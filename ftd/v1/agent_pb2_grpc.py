@@ -86,6 +86,26 @@ class AgentStub:
                 request_serializer=ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_cluster__pb2.HealthVerdict.FromString,
                 _registered_method=True)
+        self.ReadShard = channel.unary_stream(
+                '/ftd.v1.Agent/ReadShard',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.ShardChunk.FromString,
+                _registered_method=True)
+        self.FetchShard = channel.unary_unary(
+                '/ftd.v1.Agent/FetchShard',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.FetchShardRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.FetchShardResponse.FromString,
+                _registered_method=True)
+        self.WriteShard = channel.stream_unary(
+                '/ftd.v1.Agent/WriteShard',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.WriteShardChunk.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.WriteShardResponse.FromString,
+                _registered_method=True)
+        self.OpenShard = channel.unary_unary(
+                '/ftd.v1.Agent/OpenShard',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.OpenShardResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -159,6 +179,45 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadShard(self, request, context):
+        """Agent to agent: streams one published shard copy from one of this node's tiers (the peer copy
+        path: a spare restores a rank from a surviving node's SSD or memory). NOT_FOUND when the copy is
+        not here; every file ends with its CRC32C, computed while reading.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchShard(self, request, context):
+        """Training side: makes a copy held by another node (`location`) readable here, verified against the
+        catalog, and answers the local directory. UNAVAILABLE when that node cannot be reached (the copy
+        is skipped, never recorded corrupt); DATA_LOSS when it arrived corrupt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteShard(self, request_iterator, context):
+        """Agent to agent: a node pushes a memory snapshot of one of its ranks to its buddy (the memory
+        tier's replica in another failure domain). The first message is the header, then the shard's
+        files as ShardChunks, manifest last. The buddy writes it into its own memory tier (every file's
+        CRC32C checked, the manifest published last), keeps at most two snapshots per rank, and records
+        its copy in the catalog itself. RESOURCE_EXHAUSTED when its memory tier would be exceeded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenShard(self, request, context):
+        """Agent to agent: the fast path of ReadShard (ftd.agent.bulk_copy). Offers one published shard copy,
+        once and for a minute, on a dedicated TCP connection (`port`): the receiver sends `transfer`, then
+        reads the files in AES-GCM records sealed with `key` (given only here, over mTLS). NOT_FOUND when
+        the copy is not here; UNIMPLEMENTED for a tier that is no directory (use ReadShard).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +270,26 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.CheckHealth,
                     request_deserializer=ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_cluster__pb2.HealthVerdict.SerializeToString,
+            ),
+            'ReadShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadShard,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.ReadShardRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.ShardChunk.SerializeToString,
+            ),
+            'FetchShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchShard,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.FetchShardRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.FetchShardResponse.SerializeToString,
+            ),
+            'WriteShard': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteShard,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.WriteShardChunk.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.WriteShardResponse.SerializeToString,
+            ),
+            'OpenShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenShard,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.ReadShardRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.OpenShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +562,114 @@ class Agent:
             '/ftd.v1.Agent/CheckHealth',
             ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.SerializeToString,
             ftd_dot_v1_dot_cluster__pb2.HealthVerdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ftd.v1.Agent/ReadShard',
+            ftd_dot_v1_dot_agent__pb2.ReadShardRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.ShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/FetchShard',
+            ftd_dot_v1_dot_agent__pb2.FetchShardRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.FetchShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteShard(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ftd.v1.Agent/WriteShard',
+            ftd_dot_v1_dot_agent__pb2.WriteShardChunk.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.WriteShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/OpenShard',
+            ftd_dot_v1_dot_agent__pb2.ReadShardRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.OpenShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,29 @@ class AgentStub:
     """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
     CheckHealth: _grpc.UnaryUnaryMultiCallable[_agent_pb2.CheckHealthRequest, _cluster_pb2.HealthVerdict]
     """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
+    ReadShard: _grpc.UnaryStreamMultiCallable[_agent_pb2.ReadShardRequest, _agent_pb2.ShardChunk]
+    """Agent to agent: streams one published shard copy from one of this node's tiers (the peer copy
+    path: a spare restores a rank from a surviving node's SSD or memory). NOT_FOUND when the copy is
+    not here; every file ends with its CRC32C, computed while reading.
+    """
+    FetchShard: _grpc.UnaryUnaryMultiCallable[_agent_pb2.FetchShardRequest, _agent_pb2.FetchShardResponse]
+    """Training side: makes a copy held by another node (`location`) readable here, verified against the
+    catalog, and answers the local directory. UNAVAILABLE when that node cannot be reached (the copy
+    is skipped, never recorded corrupt); DATA_LOSS when it arrived corrupt.
+    """
+    WriteShard: _grpc.StreamUnaryMultiCallable[_agent_pb2.WriteShardChunk, _agent_pb2.WriteShardResponse]
+    """Agent to agent: a node pushes a memory snapshot of one of its ranks to its buddy (the memory
+    tier's replica in another failure domain). The first message is the header, then the shard's
+    files as ShardChunks, manifest last. The buddy writes it into its own memory tier (every file's
+    CRC32C checked, the manifest published last), keeps at most two snapshots per rank, and records
+    its copy in the catalog itself. RESOURCE_EXHAUSTED when its memory tier would be exceeded.
+    """
+    OpenShard: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ReadShardRequest, _agent_pb2.OpenShardResponse]
+    """Agent to agent: the fast path of ReadShard (ftd.agent.bulk_copy). Offers one published shard copy,
+    once and for a minute, on a dedicated TCP connection (`port`): the receiver sends `transfer`, then
+    reads the files in AES-GCM records sealed with `key` (given only here, over mTLS). NOT_FOUND when
+    the copy is not here; UNIMPLEMENTED for a tier that is no directory (use ReadShard).
+    """
 
 @_typing.type_check_only
 class AgentAsyncStub(AgentStub):
@@ -79,6 +102,29 @@ class AgentAsyncStub(AgentStub):
     """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
     CheckHealth: _aio.UnaryUnaryMultiCallable[_agent_pb2.CheckHealthRequest, _cluster_pb2.HealthVerdict]  # type: ignore[assignment]
     """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
+    ReadShard: _aio.UnaryStreamMultiCallable[_agent_pb2.ReadShardRequest, _agent_pb2.ShardChunk]  # type: ignore[assignment]
+    """Agent to agent: streams one published shard copy from one of this node's tiers (the peer copy
+    path: a spare restores a rank from a surviving node's SSD or memory). NOT_FOUND when the copy is
+    not here; every file ends with its CRC32C, computed while reading.
+    """
+    FetchShard: _aio.UnaryUnaryMultiCallable[_agent_pb2.FetchShardRequest, _agent_pb2.FetchShardResponse]  # type: ignore[assignment]
+    """Training side: makes a copy held by another node (`location`) readable here, verified against the
+    catalog, and answers the local directory. UNAVAILABLE when that node cannot be reached (the copy
+    is skipped, never recorded corrupt); DATA_LOSS when it arrived corrupt.
+    """
+    WriteShard: _aio.StreamUnaryMultiCallable[_agent_pb2.WriteShardChunk, _agent_pb2.WriteShardResponse]  # type: ignore[assignment]
+    """Agent to agent: a node pushes a memory snapshot of one of its ranks to its buddy (the memory
+    tier's replica in another failure domain). The first message is the header, then the shard's
+    files as ShardChunks, manifest last. The buddy writes it into its own memory tier (every file's
+    CRC32C checked, the manifest published last), keeps at most two snapshots per rank, and records
+    its copy in the catalog itself. RESOURCE_EXHAUSTED when its memory tier would be exceeded.
+    """
+    OpenShard: _aio.UnaryUnaryMultiCallable[_agent_pb2.ReadShardRequest, _agent_pb2.OpenShardResponse]  # type: ignore[assignment]
+    """Agent to agent: the fast path of ReadShard (ftd.agent.bulk_copy). Offers one published shard copy,
+    once and for a minute, on a dedicated TCP connection (`port`): the receiver sends `transfer`, then
+    reads the files in AES-GCM records sealed with `key` (given only here, over mTLS). NOT_FOUND when
+    the copy is not here; UNIMPLEMENTED for a tier that is no directory (use ReadShard).
+    """
 
 class AgentServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -160,5 +206,52 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.HealthVerdict, _abc.Awaitable[_cluster_pb2.HealthVerdict]]:
         """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
+
+    @_abc_1.abstractmethod
+    def ReadShard(
+        self,
+        request: _agent_pb2.ReadShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_pb2.ShardChunk], _abc.AsyncIterator[_agent_pb2.ShardChunk]]:
+        """Agent to agent: streams one published shard copy from one of this node's tiers (the peer copy
+        path: a spare restores a rank from a surviving node's SSD or memory). NOT_FOUND when the copy is
+        not here; every file ends with its CRC32C, computed while reading.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchShard(
+        self,
+        request: _agent_pb2.FetchShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.FetchShardResponse, _abc.Awaitable[_agent_pb2.FetchShardResponse]]:
+        """Training side: makes a copy held by another node (`location`) readable here, verified against the
+        catalog, and answers the local directory. UNAVAILABLE when that node cannot be reached (the copy
+        is skipped, never recorded corrupt); DATA_LOSS when it arrived corrupt.
+        """
+
+    @_abc_1.abstractmethod
+    def WriteShard(
+        self,
+        request_iterator: _MaybeAsyncIterator[_agent_pb2.WriteShardChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.WriteShardResponse, _abc.Awaitable[_agent_pb2.WriteShardResponse]]:
+        """Agent to agent: a node pushes a memory snapshot of one of its ranks to its buddy (the memory
+        tier's replica in another failure domain). The first message is the header, then the shard's
+        files as ShardChunks, manifest last. The buddy writes it into its own memory tier (every file's
+        CRC32C checked, the manifest published last), keeps at most two snapshots per rank, and records
+        its copy in the catalog itself. RESOURCE_EXHAUSTED when its memory tier would be exceeded.
+        """
+
+    @_abc_1.abstractmethod
+    def OpenShard(
+        self,
+        request: _agent_pb2.ReadShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.OpenShardResponse, _abc.Awaitable[_agent_pb2.OpenShardResponse]]:
+        """Agent to agent: the fast path of ReadShard (ftd.agent.bulk_copy). Offers one published shard copy,
+        once and for a minute, on a dedicated TCP connection (`port`): the receiver sends `transfer`, then
+        reads the files in AES-GCM records sealed with `key` (given only here, over mTLS). NOT_FOUND when
+        the copy is not here; UNIMPLEMENTED for a tier that is no directory (use ReadShard).
+        """
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -95,7 +95,7 @@ class ShardCopy(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     LOCATION_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
-    """"ssd", "hdd", "s3" """
+    """"mem", "ssd", "hdd", "s3" """
     location: _builtins.str
     """a node id for node-local tiers, "shared" or "s3" for shared ones"""
     def __init__(
@@ -206,6 +206,7 @@ class CheckpointInfo(_message.Message):
     BYTES_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     ON_TIER_FIELD_NUMBER: _builtins.int
+    CADENCE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     step: _builtins.int
     epoch: _builtins.int
@@ -216,11 +217,13 @@ class CheckpointInfo(_message.Message):
     status: _builtins.str
     """"valid", "in progress: ...", "invalid: ..." """
     bytes: _builtins.int
+    cadence: _builtins.str
+    """the job's save cadence when the step was first committed ("" if not given)"""
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardInfo]: ...
     @_builtins.property
     def on_tier(self) -> _containers.ScalarMap[_builtins.str, _builtins.bool]:
-        """tier -> every rank has a good copy there"""
+        """tier -> every rank has a good copy there ("mem": on its node and its buddy)"""
 
     def __init__(
         self,
@@ -236,10 +239,11 @@ class CheckpointInfo(_message.Message):
         bytes: _builtins.int = ...,
         shards: _abc.Iterable[Global___ShardInfo] | None = ...,
         on_tier: _abc.Mapping[_builtins.str, _builtins.bool] | None = ...,
+        cadence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created_unix_s", b"created_unix_s", "epoch", b"epoch", "format", b"format", "job", b"job", "on_tier", b"on_tier", "shards", b"shards", "status", b"status", "step", b"step", "valid", b"valid", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "cadence", b"cadence", "created_unix_s", b"created_unix_s", "epoch", b"epoch", "format", b"format", "job", b"job", "on_tier", b"on_tier", "shards", b"shards", "status", b"status", "step", b"step", "valid", b"valid", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -252,8 +256,13 @@ class CommitShardRequest(_message.Message):
     MANIFEST_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
     LOCATION_FIELD_NUMBER: _builtins.int
+    CADENCE_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     location: _builtins.str
+    cadence: _builtins.str
+    """The job's save cadence, e.g. "memory_every_steps=1 persist_every_steps=1000 persist_every_s=0"
+    (ftd.training.cadence.CadencePolicy.describe), kept with the step for `ftctl checkpoints list`.
+    """
     @_builtins.property
     def manifest(self) -> Global___ShardManifest: ...
     def __init__(
@@ -262,10 +271,11 @@ class CommitShardRequest(_message.Message):
         manifest: Global___ShardManifest | None = ...,
         tier: _builtins.str = ...,
         location: _builtins.str = ...,
+        cadence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["location", b"location", "manifest", b"manifest", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cadence", b"cadence", "location", b"location", "manifest", b"manifest", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -380,19 +390,28 @@ Global___InvalidateCheckpointRequest: _TypeAlias = InvalidateCheckpointRequest  
 
 @_typing.final
 class ListCheckpointsRequest(_message.Message):
+    """Checkpoints in (job, step) order, a page at a time: at most page_size (0: 1000) and about 2 MiB."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """empty: every job"""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    """"" for the first page, else the previous answer's next_page_token"""
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -403,16 +422,20 @@ class ListCheckpointsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """"" on the last page"""
     @_builtins.property
     def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointInfo]: ...
     def __init__(
         self,
         *,
         checkpoints: _abc.Iterable[Global___CheckpointInfo] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -423,15 +446,22 @@ class GetRestoreTargetRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
+    world_size: _builtins.int
+    """The world size of the restoring job (0: any). Set, the newest restorable step saved with this
+    world size is the target; a newer step of another world size is skipped (the reason says so),
+    so a shard committed with another world size can never make a rank's restore fail.
+    """
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
+        world_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

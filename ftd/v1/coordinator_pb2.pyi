@@ -509,6 +509,8 @@ class ClusterStatus(_message.Message):
     JOB_MESSAGE_FIELD_NUMBER: _builtins.int
     JOB_ROUND_UNIX_S_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    PROBLEMS_FIELD_NUMBER: _builtins.int
+    ETCD_ALARMS_FIELD_NUMBER: _builtins.int
     leader_id: _builtins.str
     leader_address: _builtins.str
     epoch: _builtins.int
@@ -549,6 +551,16 @@ class ClusterStatus(_message.Message):
     def draining(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """nodes whose planned hand-over is pending"""
 
+    @_builtins.property
+    def problems(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Stored records the leader skipped because they do not decode (each names its key); they are
+        also in the event log and ftd_coordinator_corrupt_records.
+        """
+
+    @_builtins.property
+    def etcd_alarms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """etcd's raised alarms with what to do ("nospace: ..."); empty when none."""
+
     def __init__(
         self,
         *,
@@ -574,10 +586,12 @@ class ClusterStatus(_message.Message):
         job_message: _builtins.str = ...,
         job_round_unix_s: _builtins.float = ...,
         draining: _abc.Iterable[_builtins.str] | None = ...,
+        problems: _abc.Iterable[_builtins.str] | None = ...,
+        etcd_alarms: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "draining", b"draining", "epoch", b"epoch", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "draining", b"draining", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "problems", b"problems", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -585,14 +599,24 @@ Global___ClusterStatus: _TypeAlias = ClusterStatus  # noqa: Y015
 
 @_typing.final
 class ListNodesRequest(_message.Message):
+    """Nodes in node id order, a page at a time: at most page_size (0: 1000) and about 2 MiB per page."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    page_token: _builtins.str
+    """"" for the first page, else the previous answer's next_page_token"""
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -684,16 +708,20 @@ class ListNodesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """"" on the last page"""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeInfo]: ...
     def __init__(
         self,
         *,
         nodes: _abc.Iterable[Global___NodeInfo] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "nodes", b"nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -704,16 +732,20 @@ class ListEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LIMIT_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     limit: _builtins.int
-    """newest first; 0 means 100"""
+    """newest first; 0 means 100: the page size (at most 10000, and about 2 MiB)"""
+    page_token: _builtins.str
+    """"" for the newest events, else the previous answer's next_page_token"""
     def __init__(
         self,
         *,
         limit: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -724,16 +756,20 @@ class ListEventsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """"" when no older event is left"""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_cluster_pb2.Event]: ...
     def __init__(
         self,
         *,
         events: _abc.Iterable[_cluster_pb2.Event] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,411 @@
+"""The fast path of the peer copy: a shard's files on a dedicated TCP connection, AES-GCM encrypted.
+
+gRPC streams from Python move about 0.4-0.9 GB/s here, a third of what a plain socket moves on the
+same loopback; a restore from a peer's memory is a network copy and should run near the network's
+speed. So the holder's agent offers the copy (the ``OpenShard`` RPC, over mTLS, authorised like
+``ReadShard``) and sends it on a plain TCP connection:
+
+* the answer carries a port, a random 16-byte transfer id and a random AES-128 key, single use,
+  valid for :data:`OFFER_TTL_S`; the receiver connects, sends the transfer id, and reads;
+* the files follow in order, each in records of ``chunk_bytes`` (1 MiB; the last one shorter; an empty
+  file is one empty record), every record sealed with AES-GCM: nonce = (file index, record index),
+  the transfer id as associated data. The receiver knows every file's size from the answer, so a
+  record that is missing, reordered, truncated, replayed from another transfer or altered fails its
+  tag; the key never crossed the wire in clear (the answer came over mTLS), so the bytes are as
+  private and as authenticated as on the gRPC path. AES-GCM runs at 6-9 GB/s here and releases the
+  GIL: a reader thread seals or opens records while the socket thread moves the previous one;
+* the sender checks each file's CRC32C against its own manifest as it reads (a copy corrupt at rest
+  is refused: ``on_corrupt``), the receiver checks it against the catalog's (``expected``) as the
+  bytes land, and a file appears under its name only once it matched.
+
+Any failure here is a :class:`BulkError`; the caller falls back to the ``ReadShard`` stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ftd.checkpoints.layout import MANIFEST, ManifestError, ShardManifest, shard_prefix
+from ftd.storage_backends.base import StorageBackend
+
+log = logging.getLogger("ftd.agent.bulk_copy")
+CHUNK_BYTES = 1 << 20  # per record: measured a little faster than 4 MiB (the buffers stay in cache)
+OFFER_TTL_S = 60.0
+TAG = 16
+_ID_BYTES = 16
+_DEPTH = 3  # records in flight between the socket thread and the sealing thread
+
+
+class BulkError(Exception):
+    """The fast path failed (refused, unreachable, cut, or a record that does not open)."""
+
+
+class NotADirectoryTier(BulkError):
+    """The tier holds no local files to send (an object store): use the gRPC stream."""
+
+
+class CopyNotHere(BulkError):
+    """No published copy of the shard on this tier."""
+
+
+@dataclass(frozen=True)
+class OfferedFile:
+    name: str
+    path: Path
+    size: int
+    crc32c: str  # from the holder's manifest ("" for the manifest itself)
+
+
+@dataclass(frozen=True)
+class Offer:
+    transfer: bytes
+    key: bytes
+    files: tuple[OfferedFile, ...]
+    expires: float
+    on_corrupt: Callable[[str], None] | None = None
+
+
+def shard_files(backend: StorageBackend, job: str, step: int, rank: int) -> list[OfferedFile]:
+    """The files of one published shard on a directory tier, manifest last, with the manifest's
+    CRC32Cs (raises :class:`NotADirectoryTier`, :class:`CopyNotHere`)."""
+    root = getattr(backend, "root", None)
+    if not isinstance(root, Path):
+        raise NotADirectoryTier(f"{backend.name} is no directory tier")
+    prefix = shard_prefix(job, step, rank)
+    if not backend.is_published(prefix, MANIFEST):
+        raise CopyNotHere(f"{backend.name}: no published copy of {prefix}")
+    folder = root / prefix
+    try:
+        raw = (folder / MANIFEST).read_bytes()
+        crcs = {f.name: f.crc32c for f in ShardManifest.decode(prefix, raw).files}
+    except ManifestError:
+        crcs = {}  # the receiver checks against the catalog anyway
+    except OSError as exc:
+        raise CopyNotHere(f"{backend.name}: {prefix}: {exc}") from exc
+    out = []
+    for info in sorted(backend.list(prefix + "/"), key=lambda i: (i.key.endswith("/" + MANIFEST), i.key)):
+        name = info.key.rsplit("/", 1)[-1]
+        out.append(OfferedFile(name, folder / name, info.size, crcs.get(name, "")))
+    return out
+
+
+def _nonce(file_index: int, record: int) -> bytes:
+    return file_index.to_bytes(4, "big") + record.to_bytes(8, "big")
+
+
+def _records(size: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """(index, length) of the records of a file of ``size`` bytes."""
+    if size == 0:
+        yield 0, 0
+        return
+    for i, offset in enumerate(range(0, size, chunk)):
+        yield i, min(chunk, size - offset)
+
+
+# ---- the holder ------------------------------------------------------------------------------------------
+
+
+class BulkServer:
+    """The holder's side: a TCP listener (started on the first offer) that sends each offered copy
+    once, to whoever presents its transfer id first, within :data:`OFFER_TTL_S`."""
+
+    def __init__(self, host: str, port: int = 0, chunk_bytes: int = CHUNK_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.host = host
+        self.port = port
+        self.chunk_bytes = chunk_bytes
+        self.clock = clock
+        self._offers: dict[bytes, Offer] = {}
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._closed = False
+
+    def offer(self, files: Sequence[OfferedFile], on_corrupt: Callable[[str], None] | None = None) -> tuple[int, Offer]:
+        """Registers one copy; returns the port and the offer (its transfer id and key for the answer)."""
+        port = self._listen()
+        now = self.clock()
+        offer = Offer(secrets.token_bytes(_ID_BYTES), AESGCM.generate_key(bit_length=128), tuple(files),
+                      now + OFFER_TTL_S, on_corrupt)
+        with self._lock:
+            for tid in [t for t, o in self._offers.items() if o.expires < now]:
+                del self._offers[tid]
+            self._offers[offer.transfer] = offer
+        return port, offer
+
+    def _listen(self) -> int:
+        with self._lock:
+            if self._closed:
+                raise BulkError("the fast peer copy path is closed")
+            if self._sock is None:
+                sock = socket.create_server((self.host, self.port), family=_family(self.host), backlog=64)
+                self._sock = sock
+                threading.Thread(target=self._accept, args=(sock,), name="ftd-bulk-accept", daemon=True).start()
+            return int(self._sock.getsockname()[1])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, peer = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn, peer), name="ftd-bulk-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        with conn:
+            try:
+                conn.settimeout(10.0)
+                transfer = _recv_exact(conn, _ID_BYTES)
+                with self._lock:
+                    offer = self._offers.pop(transfer, None)
+                if offer is None or offer.expires < self.clock():
+                    log.warning("fast peer copy: refused a connection from %s with an unknown or expired transfer id",
+                                peer)
+                    return
+                conn.settimeout(120.0)
+                _send(conn, offer, self.chunk_bytes)
+            except (OSError, BulkError) as exc:
+                log.warning("fast peer copy to %s stopped: %s", peer, exc)
+
+
+def _send(conn: socket.socket, offer: Offer, chunk: int) -> None:
+    """Checks and seals records (straight from the file's pages, into reused buffers) in a thread
+    while this one sends the previous ones."""
+    sealed: queue.Queue[memoryview | BaseException | None] = queue.Queue(_DEPTH)
+    stop = threading.Event()
+    pool = [bytearray(chunk + 2 * TAG) for _ in range(_DEPTH + 2)]
+
+    def produce() -> None:
+        turn = 0
+        try:
+            for index, f in enumerate(offer.files):
+                crc = 0
+                with _mapped(f.path, f.size) as data:
+                    if len(data) != f.size:
+                        raise BulkError(f"{f.path}: {len(data)} bytes, not the {f.size} offered")
+                    for record, length in _records(f.size, chunk):
+                        piece = data[record * chunk:record * chunk + length]
+                        crc = _crc32c.crc32c(piece, crc)
+                        if _last(record, f.size, chunk) and f.crc32c and f"{crc:08x}" != f.crc32c:
+                            why = f"{f.path}: crc32c {crc:08x} read, the manifest says {f.crc32c}"
+                            if offer.on_corrupt is not None:
+                                offer.on_corrupt(why)
+                            raise BulkError(why)
+                        out = pool[turn % len(pool)]
+                        turn += 1
+                        sealer = Cipher(algorithms.AES(offer.key), modes.GCM(_nonce(index, record))).encryptor()
+                        sealer.authenticate_additional_data(offer.transfer)
+                        n = sealer.update_into(piece, out)
+                        piece.release()  # the file's mapping closes once every view of it is gone
+                        sealer.finalize()
+                        out[n:n + TAG] = sealer.tag
+                        if not _put(sealed, memoryview(out)[:n + TAG], stop):
+                            return
+            sealed.put(None)
+        except BaseException as exc:  # handed to the sending thread
+            sealed.put(exc)
+
+    worker = threading.Thread(target=produce, name="ftd-bulk-seal", daemon=True)
+    worker.start()
+    try:
+        while (item := sealed.get()) is not None:
+            if isinstance(item, BaseException):
+                raise BulkError(str(item)) from item
+            conn.sendall(item)
+    finally:
+        stop.set()
+        worker.join(5.0)
+
+
+def _last(record: int, size: int, chunk: int) -> bool:
+    return record == (max(0, size - 1) // chunk if size else 0)
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+@contextlib.contextmanager
+def _mapped(path: Path, size: int) -> Iterator[memoryview]:
+    """A file's bytes without a copy (its pages: on tmpfs, the memory tier itself)."""
+    with open(path, "rb") as f:
+        if size == 0:
+            yield memoryview(b"")
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                yield view
+            finally:
+                view.release()
+
+
+# ---- the receiver ----------------------------------------------------------------------------------------
+
+
+def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[tuple[str, int, str]], dest: Path,
+            expected: Mapping[str, tuple[int, str]] | None = None, chunk: int = CHUNK_BYTES,
+            timeout_s: float = 120.0) -> int:
+    """Receives an offered copy into ``dest`` (a fresh directory): ``files`` are (name, size,
+    holder's crc32c) in the offer's order. Every record's tag is checked, and every file's CRC32C
+    against ``expected`` (the catalog's): when the holder's checksum (which the holder checked every
+    byte against as it sent them) is the catalog's, the authenticated records prove the bytes and
+    they are not hashed again; otherwise they are. A file is renamed into place only once it
+    matched. Returns the bytes received; raises :class:`BulkError`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if expected is not None:
+        sizes = {name: size for name, size, _ in files}
+        for name, (size, _) in expected.items():
+            if sizes.get(name) != size:
+                raise BulkError(f"{name}: the holder offers {sizes.get(name)} bytes, the catalog says {size}")
+    opened: queue.Queue[tuple[int, int, bytearray, int] | None] = queue.Queue(_DEPTH)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def write() -> None:  # opens records and writes them while the socket thread reads the next ones
+        out: _Landing | None = None
+        plain = bytearray(chunk + TAG)  # one record's plaintext (and the cipher's slack), reused
+        crc = 0
+        try:
+            while (item := opened.get()) is not None:
+                index, record, buf, length = item
+                name, size, holder_crc = files[index]
+                if record == 0:
+                    out, crc = _Landing(dest, name, size), 0
+                assert out is not None
+                view = memoryview(buf)
+                opener = Cipher(algorithms.AES(key), modes.GCM(_nonce(index, record), bytes(view[length:length + TAG]))
+                                ).decryptor()
+                opener.authenticate_additional_data(transfer)
+                opener.update_into(view[:length], plain)
+                try:
+                    opener.finalize()
+                except InvalidTag as exc:
+                    raise BulkError(f"{name}: record {record} does not open (altered, reordered or cut)") from exc
+                want = (expected or {}).get(name, (size, holder_crc))[1] or holder_crc
+                check = bool(want) and want != holder_crc  # the holder checked its bytes against another sum
+                if check:
+                    crc = _crc32c.crc32c(memoryview(plain)[:length], crc)
+                out.write(record * chunk, memoryview(plain)[:length])
+                if _last(record, size, chunk):
+                    if check and f"{crc:08x}" != want:
+                        raise BulkError(f"{name}: crc32c {crc:08x} received, expected {want}")
+                    out.commit()
+                    out = None
+        except BaseException as exc:
+            errors.append(exc)
+            done.set()
+        finally:
+            if out is not None:
+                out.abort()
+
+    worker = threading.Thread(target=write, name="ftd-bulk-open", daemon=True)
+    worker.start()
+    total = 0
+    pool = [bytearray(chunk + TAG) for _ in range(_DEPTH + 2)]
+    turn = 0
+    try:
+        with socket.create_connection((host, port), timeout=10.0) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(transfer)
+            for index, (_, size, _) in enumerate(files):
+                for record, length in _records(size, chunk):
+                    buf = pool[turn % len(pool)]
+                    turn += 1
+                    _recv_into(conn, memoryview(buf)[:length + TAG])
+                    total += length
+                    if not _put(opened, (index, record, buf, length), done):
+                        break
+                if done.is_set():
+                    break
+    except OSError as exc:
+        errors.append(BulkError(f"fast peer copy from {host}:{port} failed: {exc}"))
+    finally:
+        with contextlib.suppress(queue.Full):
+            opened.put(None, timeout=5.0)
+        worker.join(30.0)
+    if errors:
+        err = errors[0]
+        raise err if isinstance(err, BulkError) else BulkError(f"{type(err).__name__}: {err}")
+    return total
+
+
+class _Landing:
+    """A file being received under a hidden name (``pwrite`` from a reused buffer: on tmpfs twice
+    as fast as faulting in a fresh mapping), renamed into place by :meth:`commit` once complete and
+    checked."""
+
+    def __init__(self, dest: Path, name: str, size: int) -> None:
+        if not name or "/" in name or name in (".", ".."):
+            raise BulkError(f"refusing the file name {name!r}")
+        self.part, self.final = dest / f".{name}.part", dest / name
+        self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        while data:
+            n = os.pwrite(self.fd, data, offset)
+            data, offset = data[n:], offset + n
+
+    def commit(self) -> None:
+        os.close(self.fd)
+        os.replace(self.part, self.final)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(OSError):
+            self.part.unlink()
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if not n:
+            raise BulkError(f"the holder closed the connection {len(view) - got} bytes early")
+        got += n
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+__all__ = ["CHUNK_BYTES", "BulkError", "BulkServer", "CopyNotHere", "NotADirectoryTier", "Offer", "OfferedFile",
+           "receive", "shard_files"]

@@ -1,0 +1,56 @@
+"""The coordinator's metrics about bounded inputs and stored-state trust (issue 11), on the same
+registry as :class:`~.metrics.CoordinatorMetrics`.
+
+:func:`security_metrics` returns the one instance of a registry (made on first use), so every part
+of a replica that holds the registry reaches the same metric objects without new wiring. Every label
+value comes from a fixed set: :data:`ALARMS`, :data:`~.limits.RATE_LIMITED_METHODS`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .limits import RATE_LIMITED_METHODS
+
+ALARMS = ("nospace", "corrupt")  # etcd's alarm types, as the label of ftd_coordinator_etcd_alarm
+
+
+class SecurityMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = self.registry = registry
+        self.corrupt_records = Gauge(
+            "ftd_coordinator_corrupt_records",
+            "Stored records the leader skipped at its last load because they do not decode (see ftctl status)",
+            registry=r)
+        self.etcd_alarm = Gauge("ftd_coordinator_etcd_alarm",
+                                "1 while etcd raises the alarm (nospace: writes refused until space is freed "
+                                "and the alarm disarmed)", ["alarm"], registry=r)
+        for alarm in ALARMS:
+            self.etcd_alarm.labels(alarm).set(0)
+        self.rate_limited = Counter("ftd_coordinator_rate_limited_total",
+                                    "Writes refused by the per-node rate limit (RESOURCE_EXHAUSTED)", ["method"],
+                                    registry=r)
+        for method in RATE_LIMITED_METHODS:
+            self.rate_limited.labels(method)
+        self.nodes_collected = Counter("ftd_coordinator_nodes_collected_total",
+                                       "Records of nodes fenced longer than the retention, removed", registry=r)
+
+    def count_limited(self, method: str) -> None:
+        """The limiter's hook; a method outside the fixed set is counted as ``other``."""
+        self.rate_limited.labels(method if method in RATE_LIMITED_METHODS else "other").inc()
+
+
+_instances: weakref.WeakKeyDictionary[CollectorRegistry, SecurityMetrics] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def security_metrics(registry: CollectorRegistry) -> SecurityMetrics:
+    """The :class:`SecurityMetrics` of ``registry`` (created and registered on first use)."""
+    with _lock:
+        found = _instances.get(registry)
+        if found is None:
+            found = _instances[registry] = SecurityMetrics(registry)
+        return found
