@@ -9,6 +9,7 @@ import os
 import shlex
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from ftd.logs import set_identity
 from ftd.storage_backends.tiers import open_tiers, tiers_to_proto
 from ftd.v1 import agent_pb2, cluster_pb2
 
-from . import health, health_checks, rtt, service
+from . import health, health_checks, rtt
 from .bulk_copy import BulkServer
 from .handover import Handover
 from .heartbeat import Identity, Session
@@ -277,7 +278,9 @@ class AgentDaemon:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, add_services: Callable[[grpc.Server, AgentDaemon], None]) -> None:
+        """Binds the ports, starts serving ``add_services``' gRPC services (``agent.service`` in the
+        daemon; the service depends on the daemon, never the other way round) and the background work."""
         s = self.settings
         s.workdir.mkdir(parents=True, exist_ok=True)
         for path in s.tiers.values():
@@ -285,7 +288,7 @@ class AgentDaemon:
         sock = s.effective_socket
         if sock.exists():
             sock.unlink()  # a stale socket of a previous run; ours is created by bind below
-        service.add_to_server(self.server, self)
+        add_services(self.server, self)
         host, _, port = s.listen.rpartition(":")
         if self.identity is None:
             log.warning("no pki_dir: the agent's TCP port %s is PLAINTEXT without authorization; anyone who reaches "

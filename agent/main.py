@@ -12,6 +12,7 @@ from ftd import logs
 from ftd.pki import PkiError
 from ftd.settings import load_or_exit
 
+from . import service
 from .daemon import AgentDaemon
 from .settings import ENV_PREFIX, AgentSettings
 
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    daemon.start()
+    daemon.start(service.add_to_server)
     daemon.wait()
     daemon.stop()
     return 0

@@ -23,21 +23,21 @@ from collections.abc import Callable
 
 from ftd import systemd
 from ftd.logs import set_identity
-from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.v1 import coordinator_pb2
 
 from . import errors, limits
 from .catalog import CatalogKeeper
 from .committer import Committer
 from .drains import DrainKeeper
+from .event_log import EventLog
+from .gauges import AlarmWatch, Gauges
 from .jobs import JobKeeper
 from .membership import Membership
 from .metrics import CoordinatorMetrics
-from .model import Event
-from .security_metrics import ALARMS, security_metrics
+from .security_metrics import security_metrics
 from .settings import CoordinatorSettings
 from .store import Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
 from .store_calls import StoreCalls
-from .view import ALARM_HINTS
 
 log = logging.getLogger("ftd.coordinator")
 
@@ -74,13 +74,13 @@ class Controller:
                               push_all=self.membership.push_all, wake=self.wake, wall=wall, limiter=self.limiter)
         self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter)
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
-        self.alarms: list[str] = []  # etcd's raised alarms, as last polled (every replica polls)
+        self.gauges = Gauges(self.committer, self.membership, self.catalog, self.metrics, self.security, clock)
+        self.alarms = AlarmWatch(store, self.calls, self.committer, self.security)
+        self.event_log = EventLog(store, self.calls)
         self._alarms_at = -1e9
         self._errors = limits.LogThrottle(log)
-        self._job_series: set[str] = set()  # jobs whose ftd_coordinator_job_* series are published
         self.last_tick_at = self.clock()
         self._last_confirmed = 0.0
-        self._gauges_at = -1e9
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
 
@@ -119,12 +119,12 @@ class Controller:
         self.membership.new_term()
         self.metrics.is_leader.set(1)
         set_identity(role="leader", epoch=state.view.world.epoch)
-        state.view.etcd_alarms = list(self.alarms)
+        state.view.etcd_alarms = list(self.alarms.raised)
         problems = state.view.problems
         for problem in problems[:MAX_PROBLEM_EVENTS]:
             log.error("%s (skipped: the leader goes on without it; ftctl status lists it)", problem)
         self.security.corrupt_records.set(len(problems))
-        self._publish_gauges()
+        self.gauges.publish()
         log.info("elected leader at %s: epoch %d, %d nodes known, grace %.1fs", self.address,
                  state.view.world.epoch, len(state.view.nodes), self.settings.failover_grace_s)
         events = [("leader_elected", "", f"{self.replica_id} leads at {self.address}")]
@@ -208,60 +208,12 @@ class Controller:
         now = self.clock()
         if now - self._alarms_at >= ALARM_POLL_S:
             self._alarms_at = now
-            await self.poll_alarms()
+            await self.alarms.poll()
         if not self.is_leader:
             return
         await self.membership.tick()
-        if self.membership.changed or now - self._gauges_at >= 1.0:
-            self._publish_gauges()
-
-    async def poll_alarms(self) -> None:
-        """Reads etcd's alarms into ``ftd_coordinator_etcd_alarm`` and the status. While NOSPACE is
-        raised every commit is refused (with a message saying how to free space); the tick keeps
-        planning, so fencing and promotion resume by themselves once the alarm is disarmed."""
-        try:
-            alarms = await self.calls.data("alarms", self.store.alarms)
-        except (StoreUnavailable, StoreRejected):
-            return
-        if alarms != self.alarms:
-            if alarms:
-                log.error("etcd raised alarm(s) %s: %s", ", ".join(alarms),
-                          "; ".join(ALARM_HINTS.get(a, "see etcdctl alarm list") for a in alarms))
-            else:
-                log.warning("etcd alarm(s) %s cleared: commits resume", ", ".join(self.alarms))
-        self.alarms = alarms
-        for alarm in ALARMS:
-            self.security.etcd_alarm.labels(alarm).set(1 if alarm in alarms else 0)
-        view = self.committer.view
-        if view is not None:
-            view.etcd_alarms = list(alarms)
-
-    def _publish_gauges(self) -> None:
-        view = self.committer.view
-        if view is None:
-            return
-        self._gauges_at = self.clock()
-        self.membership.changed = False
-        for state, count in view.counts().items():
-            self.metrics.nodes.labels(state).set(count)
-        self.metrics.epoch.set(view.world.epoch)
-        self.metrics.world_size.set(len(view.world.ranks))
-        self.metrics.world_target_size.set(view.world.target_size)
-        self.metrics.spares.set(len(view.spares()))
-        incident, job = self.membership.recovery.open, view.current_job()
-        open_s = self.clock() - incident.last_heartbeat if incident and job is not None and not job.closed else 0.0
-        self.metrics.recovery_open.set(open_s)
-        # At most limits.MAX_JOBS jobs (JobKeeper removes closed ones, refuses more); a removed job's
-        # series go with it, so job ids from requests cannot grow the series without bound.
-        for gone in self._job_series - set(view.jobs):
-            for gauge in (self.metrics.job_round, self.metrics.job_restarts):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(gone)
-        self._job_series = set(view.jobs)
-        for job in view.jobs.values():
-            self.metrics.job_round.labels(job.job).set(job.round)
-            self.metrics.job_restarts.labels(job.job).set(job.restarts)
-        self.catalog.publish_gauges()
+        if self.membership.changed or now - self.gauges.published_at >= 1.0:
+            self.gauges.publish()
 
     async def _tick_loop(self) -> None:
         watchdog = systemd.Watchdog()  # pinged from this loop: a wedged event loop gets restarted
@@ -292,29 +244,9 @@ class Controller:
         request = request or coordinator_pb2.ListNodesRequest()
         return self.committer.require_leader().node_page(self.clock(), request.page_size, request.page_token)
 
-    async def events(self, limit: int, before_seq: int = 0) -> list[Event]:
-        self.committer.require_leader()
-        try:
-            return await self.calls.data("list_events", self.store.list_events, limit, before_seq)
-        except StoreUnavailable as exc:
-            raise errors.StateUnavailable(f"cannot read the event log: {exc}") from exc
-
     async def event_page(self, request: coordinator_pb2.ListEventsRequest) -> coordinator_pb2.ListEventsResponse:
-        """A page of the event log, newest first: ``limit`` events (0: 100, at most 10000) and about
-        :data:`~.limits.MAX_PAGE_BYTES`; the token is the oldest sequence number handed out."""
-        limit = request.limit or 100
-        if limit > 10000:
-            raise errors.InvalidArgument("limit", f"at most 10000, got {limit}")
-        page = limits.page(0, request.page_token, r"[0-9]{0,20}")
-        before = int(page.token) if page.token else 0
-        if page.token and before <= 1:
-            return coordinator_pb2.ListEventsResponse()
-        events = await self.events(limit, before)
-        shown, more = limits.take_page(
-            (cluster_pb2.Event(seq=e.seq, at_unix_s=e.at_unix_s, kind=e.kind, node_id=e.node_id, epoch=e.epoch,
-                               message=e.message) for e in events), limit, cluster_pb2.Event.ByteSize)
-        more = more or (len(events) == limit and bool(shown) and shown[-1].seq > 1)
-        return coordinator_pb2.ListEventsResponse(events=shown, next_page_token=str(shown[-1].seq) if more else "")
+        self.committer.require_leader()
+        return await self.event_log.page(request)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ ROLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ftd-rendezvous": ("ftd-rendezvous", ("/torch/elastic/rendezvous/", "/torch/elastic/store/")),
 }
 # Compact the key history hourly: the embedded default runs for days in a lab.
+CLIENT_PORT, PEER_PORT = 2379, 2380  # etcd's own ports: those of a member with an address of its own
 COMPACTION = ["--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h"]
 
 
@@ -88,6 +89,7 @@ class EtcdMember:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     pki_dir: Path | None = None
+    host: str = "127.0.0.1"  # the address its client and peer ports bind (ftctl up --isolate: a lab address)
 
     @property
     def scheme(self) -> str:
@@ -95,11 +97,11 @@ class EtcdMember:
 
     @property
     def client_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.peer_port}"
+        return f"{self.scheme}://{self.host}:{self.peer_port}"
 
     @property
     def pid(self) -> int | None:
@@ -155,10 +157,13 @@ class EtcdCluster:
     pki_dir: Path | None = None
     auth: bool = False
     members: list[EtcdMember] = field(default_factory=list)
+    # Member i binds hosts[i] on the fixed ports CLIENT_PORT and PEER_PORT (each in its own network
+    # namespace); empty: every member on loopback on free ports.
+    hosts: list[str] = field(default_factory=list)
 
     @property
     def endpoints(self) -> str:
-        return ",".join(f"127.0.0.1:{m.client_port}" for m in self.members)
+        return ",".join(f"{m.host}:{m.client_port}" for m in self.members)
 
     def _command(self, m: EtcdMember, initial_cluster: str, state: str) -> list[str]:
         cmd = [
@@ -189,8 +194,9 @@ class EtcdCluster:
         for attempt in range(3):  # a free port can be taken between probing and binding
             self.workdir.mkdir(parents=True, exist_ok=True)
             self.members = [
-                EtcdMember(f"etcd{i}", free_port(), free_port(), self.workdir / f"etcd{i}.data",
-                           self.workdir / f"etcd{i}.log", pki_dir=self.pki_dir)
+                EtcdMember(f"etcd{i}", *((CLIENT_PORT, PEER_PORT) if self.hosts else (free_port(), free_port())),
+                           self.workdir / f"etcd{i}.data", self.workdir / f"etcd{i}.log", pki_dir=self.pki_dir,
+                           host=self.hosts[i] if self.hosts else "127.0.0.1")
                 for i in range(self.size)
             ]
             if self.pki_dir is not None:
@@ -297,7 +303,7 @@ def enable_auth(cluster: EtcdCluster, timeout_s: float = 10.0) -> None:
     member = cluster.members[0]
     files = member.identity
     assert files is not None
-    with grpc.secure_channel(f"127.0.0.1:{member.client_port}", client_credentials(files)) as ch:
+    with grpc.secure_channel(f"{member.host}:{member.client_port}", client_credentials(files)) as ch:
         auth, kv = rpc_pb2_grpc.AuthStub(ch), rpc_pb2_grpc.KVStub(ch)
         try:
             auth.UserGet(rpc_pb2.AuthUserGetRequest(name="ftd-etcd"), timeout=timeout_s)

@@ -308,7 +308,7 @@ async def full_etcd_scenario(endpoint: str) -> None:
         with pytest.raises(grpc.RpcError):  # someone else fills etcd up: NOSPACE
             for i in range(1000):
                 raw.put(f"/junk/{i}", b"x" * 65536)
-        await ctl.poll_alarms()
+        await ctl.alarms.poll()
         assert gauge("nospace") == 1 and gauge("corrupt") == 0
         assert ctl.status().etcd_alarms[0].startswith("nospace: etcd's database is full")
         with pytest.raises(errors.StateRejected) as full:
@@ -327,7 +327,7 @@ async def full_etcd_scenario(endpoint: str) -> None:
         raw.defragment()
         for alarm in list(raw.list_alarms()):
             raw.disarm_alarm(alarm.member_id)
-        await ctl.poll_alarms()
+        await ctl.alarms.poll()
         assert gauge("nospace") == 0 and not ctl.status().etcd_alarms
         await run_for(10.0, lambda: store.load().world.ranks == ("s", "b"))
         snap = store.load()
