@@ -7,6 +7,10 @@ a certificate is missing or bad), 2 bad usage, 3 the coordinator could not be re
 mTLS: ftctl talks to coordinators and agents as an operator, ``operators/<name>`` (``--operator``;
 ``operator.crt`` by default) of the PKI directory ``--pki-dir`` / ``$FTD_PKI_DIR``, else the one of the
 local cluster in ``--workdir``. Without any, it tries plaintext (a cluster without ``pki_dir``).
+
+Isolated clusters (``up --isolate``, :mod:`.isolated`): with ``--workdir`` of one, ftctl re-executes
+itself inside the cluster's ``ctl`` network namespace (the root namespace cannot reach the lab);
+``down`` stops the processes and removes the lab from the root namespace.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -24,12 +29,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from ftd import pki
+from ftd import netlab, pki
 from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
-from . import certs, checkpoints, demo, drill, health, localcluster, render, report
+from . import certs, checkpoints, demo, drill, health, isolated, localcluster, render, report
 from .json_shapes import node_dict, status_dict
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
@@ -84,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the cluster [s]")
     up.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL for the cold tier (default: none)")
     up.add_argument("--s3-bucket", default="ftd-checkpoints", help="bucket of the cold tier")
+    _isolate_options(up)
     sub.add_parser("down", help="stop everything 'ftctl up' started in --workdir")
 
     for name, help_text in (("status", "leader, epoch, world, spares, dead nodes"),
@@ -118,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--preempt", action="store_true",
                       help="deliver a spot preemption notice instead of killing the node: a planned hand-over")
     demo.add_argument("--json", action="store_true")
+    _isolate_options(demo)
 
     hc = sub.add_parser("health", help="run the health checks of every node (or NODE) now, with values and thresholds")
     hc.add_argument("node", metavar="NODE", nargs="?")
@@ -148,6 +155,37 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--drill-timeout", type=float, default=180.0, help="give up measuring after [s]")
     d.add_argument("--json", action="store_true")
     return p
+
+
+def _isolate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--isolate", action="store_true",
+                   help="every etcd member, coordinator and node in its own network namespace with its own "
+                        "address on a bridge of its own, node directories not shared (needs root: CAP_NET_ADMIN, "
+                        "CAP_SYS_ADMIN)")
+    p.add_argument("--shared-hdd", action="store_true",
+                   help="with --isolate: one HDD directory shared by every node (default: each node its own)")
+
+
+def _run_isolated(args: argparse.Namespace, argv: Sequence[str], workdir: Path, nodes: int, spares: int,
+                  coordinators: int, keep: bool) -> int:
+    """The root-namespace half of ``up``/``demo --isolate``: creates the lab of ``workdir`` (removing a
+    crashed one there first), runs ``ftctl ARGV`` inside its ctl namespace, and removes the lab again
+    when that fails or ``keep`` is false."""
+    if args.s3_endpoint or getattr(args, "etcd_endpoints", None):
+        raise UsageError("--isolate starts its own etcd and cannot reach an external etcd or S3 endpoint")
+    isolated.check()
+    localcluster.refuse_running(workdir)
+    iso = isolated.prepare(workdir, isolated.host_names(nodes, spares, coordinators))
+    print(f"isolated: lab {iso['prefix']} on {iso['subnet']}, {len(iso['hosts'])} network namespaces "
+          f"(ftctl runs in {iso['ctl']})", file=sys.stderr)
+    rc = 1
+    try:
+        rc = isolated.reexec(iso, argv)
+    finally:
+        if rc != 0 or not keep:
+            isolated.teardown(workdir)
+            print(f"isolated: lab {iso['prefix']} removed", file=sys.stderr)
+    return rc
 
 
 def _flag_or_env(args: argparse.Namespace, env: dict[str, str], flag: str, env_name: str,
@@ -215,21 +253,39 @@ def _print_json(data: Any) -> None:
 
 def run(argv: Sequence[str], env: dict[str, str]) -> int:
     args = _parser().parse_args(list(argv))
+    inside = os.environ.get(isolated.ENV_INSIDE)  # the re-executed ftctl of an isolated cluster
     if args.command == "up":
         if args.workdir is None:
             raise UsageError("ftctl up needs --workdir DIR")
+        if args.isolate and not inside:
+            return _run_isolated(args, argv, args.workdir.resolve(), args.nodes, args.spares, args.coordinators,
+                                 keep=True)
         cluster = localcluster.up(args.workdir, args.nodes, args.spares, args.coordinators, args.etcd_endpoints,
                                   args.racks, args.start_timeout, s3_endpoint=args.s3_endpoint,
-                                  s3_bucket=args.s3_bucket)
+                                  s3_bucket=args.s3_bucket, shared_hdd=not args.isolate or args.shared_hdd,
+                                  isolate=args.isolate)
         print(f"cluster up in {cluster.workdir}: {args.nodes} active + {args.spares} spare nodes, "
               f"etcd {cluster.etcd_endpoints}")
         print(f"coordinator: {cluster.coordinator_endpoints} (mTLS; operator certificate in {cluster.pki_dir})")
-        print(f"  export {ENV_COORDINATOR}={cluster.coordinator_endpoints} {ENV_PKI_DIR}={cluster.pki_dir}")
+        if cluster.isolation:
+            print(f"isolated: lab {cluster.isolation['prefix']} on {cluster.isolation['subnet']}, reachable only from "
+                  f"its namespaces: 'ftctl --workdir {cluster.workdir} ...' runs in {cluster.isolation['ctl']}")
+        else:
+            print(f"  export {ENV_COORDINATOR}={cluster.coordinator_endpoints} {ENV_PKI_DIR}={cluster.pki_dir}")
         return 0
     if args.command == "demo":
         say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+        if args.isolate and not inside:
+            work = args.workdir.resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="ftd-demo-"))
+            try:
+                return _run_isolated(args, [*argv, "--workdir", str(work)], work / "cluster", args.nodes,
+                                     args.spares, 1, keep=args.keep)
+            finally:
+                if args.workdir is None and not args.keep:
+                    shutil.rmtree(work, ignore_errors=True)
         outcome = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say,
-                                s3_endpoint=args.s3_endpoint, preempt=args.preempt)
+                                s3_endpoint=args.s3_endpoint, preempt=args.preempt, isolate=args.isolate,
+                                shared_hdd=not args.isolate or args.shared_hdd)
         report.write(outcome["drill"], args.report)
         say(f"drill report: {args.report}")
         if args.json:
@@ -240,10 +296,21 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
     if args.command == "down":
         if args.workdir is None:
             raise UsageError("ftctl down needs --workdir DIR")
-        stopped = localcluster.stop(localcluster.ClusterFile.load(args.workdir.resolve()))
-        print(f"stopped {len(stopped)} processes: {', '.join(stopped) or 'none were running'}")
+        workdir = args.workdir.resolve()
+        lab = isolated.load(workdir)
+        if lab:
+            isolated.check()
+        if localcluster.ClusterFile.path(workdir).exists() or not lab:
+            stopped = localcluster.stop(localcluster.ClusterFile.load(workdir))
+            print(f"stopped {len(stopped)} processes: {', '.join(stopped) or 'none were running'}")
+        if lab and (prefix := isolated.teardown(workdir)):
+            print(f"removed network lab {prefix}: its namespaces, veths, bridge and rules")
         return 0
 
+    if args.workdir is not None:
+        cluster = localcluster.ClusterFile.load(args.workdir.resolve())
+        if cluster.isolation and not isolated.inside(cluster.isolation):
+            return isolated.reexec(cluster.isolation, argv)
     tls = resolve_identity(args, env)
     try:
         client = CoordinatorClient(_resolve_coordinator(args, env), timeout_s=args.timeout or 5.0, tls=tls)
@@ -347,6 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 2
+    except netlab.MissingPrivileges as exc:
+        print(f"ftctl: --isolate needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN and the tools ip, tc, nft: "
+              f"missing {', '.join(exc.missing)}", file=sys.stderr)
+        return 2
     except CoordinatorUnreachable as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 3
@@ -355,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ftctl: coordinator answered {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
         return 1
     except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError, DrainTimeout,
-            health.HealthCommandError, pki.PkiError) as exc:
+            health.HealthCommandError, pki.PkiError, netlab.NetlabError) as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 1
 

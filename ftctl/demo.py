@@ -3,9 +3,10 @@
 Starts a local cluster on the embedded default (etcd started for you; each node's SSD tier and a
 shared HDD tier as local directories; S3 only with ``--s3-endpoint``), trains a small real model with
 DDP on gloo with the ftd rendezvous on the warm path (standby workers with torch imported, started by
-the agents; 2 active nodes and a hot spare), checkpoints every
-few steps, kills an active node for real, waits for the spare to take its rank and the training to
-resume from the last valid checkpoint, prints the timeline, and tears everything down.
+the agents; 2 active nodes and a hot spare), snapshots the job into the peer-replicated memory tier
+every step and persists a durable checkpoint every 1000 steps (the save cadence of a real job), kills
+an active node for real, waits for the spare to take its rank and the training to resume from the
+newest restorable step (at most one step lost), prints the timeline, and tears everything down.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from .json_shapes import status_dict
 
 
 def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool = False, say: Any = print,
-             steps: int = 100000, ckpt_every: int = 10, warmup_steps: int = 30, s3_endpoint: str = "",
-             timeout_s: float = 150.0, preempt: bool = False) -> dict[str, Any]:
+             steps: int = 100000, memory_every: int = 1, persist_every: int = 1000, warmup_steps: int = 30,
+             s3_endpoint: str = "",
+             timeout_s: float = 150.0, preempt: bool = False, isolate: bool = False,
+             shared_hdd: bool = True) -> dict[str, Any]:
     """Returns ``{"mode", "passed", "lost_steps", "drill", "checkpoints", "status_before",
     "status_after", "timeline", "workdir"}``. With ``preempt`` the victim gets a spot preemption notice
-    instead of a SIGKILL: a planned hand-over after a final checkpoint."""
+    instead of a SIGKILL: a planned hand-over after a final checkpoint. ``isolate``: in the network lab
+    that ``ftctl demo --isolate`` made under ``workdir/cluster`` (this runs in its ctl namespace)."""
     temp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="ftd-demo-")) if workdir is None else workdir.resolve()
     started = time.monotonic()
@@ -40,10 +44,12 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
 
     out = work / "training"
     train = localcluster.TrainOptions(
-        cmd=f"-m ftd.training.demo_job --steps {steps} --ckpt-every {ckpt_every} --step-time 0.05 --out {out}",
+        cmd=f"-m ftd.training.demo_job --steps {steps} --memory-every {memory_every} --persist-every {persist_every} "
+            f"--step-time 0.05 --out {out}",
         job="demo", min_nodes=nodes)
     mark(f"starting etcd, a coordinator and {nodes} active + {spares} spare agents in {work}")
-    cluster = localcluster.up(work / "cluster", nodes, spares, s3_endpoint=s3_endpoint, train=train)
+    cluster = localcluster.up(work / "cluster", nodes, spares, s3_endpoint=s3_endpoint, train=train,
+                              shared_hdd=shared_hdd, isolate=isolate)
     client = cluster.client()
     try:
         before = status_dict(client.status())
@@ -60,8 +66,9 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
                                  idempotent=True)
             return target.checkpoint.step if target.found else -1
 
-        wait_for(lambda: progress() >= warmup_steps and valid_step() >= ckpt_every, timeout_s,
-                 f"training past step {warmup_steps} with a valid checkpoint", interval_s=0.2)
+        # Memory snapshots count as restorable (the catalog's restore target): wait for a recent one.
+        wait_for(lambda: progress() >= warmup_steps and valid_step() >= warmup_steps - memory_every, timeout_s,
+                 f"training past step {warmup_steps} with a restorable checkpoint", interval_s=0.2)
         before = status_dict(client.status())
         victim = before["world"][-1]
         if preempt:

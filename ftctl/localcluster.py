@@ -11,6 +11,11 @@ mutual TLS with the authorization table enforced, the embedded etcd requires cli
 has its auth on (:mod:`.etcd_server`), and drills are authorised by the operator certificate (no
 token anywhere). The process that ran :func:`up` dials the cluster with the operator certificate by
 default (:func:`ftd.coordinator.client.remember_identity`); ``ftctl --workdir DIR`` does too.
+
+``isolate`` (``ftctl up --isolate``, :mod:`.isolated`): every etcd member, coordinator replica and node
+in its own network namespace with its own address on a lab bridge (``DIR/net``), ports fixed, the
+certificates issued for those addresses; ``ClusterFile.isolation`` records the lab, and ftctl reaches
+the cluster from the lab's ``ctl`` namespace.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 from ftd import pki
 from ftd.coordinator.client import CoordinatorClient, remember_identity
 
+from . import isolated
 from .etcd_server import EtcdCluster
 
 CLUSTER = "local"  # the cluster name of every local cluster (its PKI and its coordinators' --cluster)
@@ -80,6 +86,7 @@ class ClusterFile:
     pki_dir: str = ""  # the cluster's PKI ("" : a plaintext cluster of an older ftctl)
     cluster: str = CLUSTER
     shared_hdd: bool = True  # False: each node's HDD tier is its own (no shared filesystem)
+    isolation: dict[str, Any] = field(default_factory=dict)  # the lab (:func:`.isolated.load`); {}: loopback
 
     @staticmethod
     def path(workdir: Path) -> Path:
@@ -148,10 +155,19 @@ def _tail(path: Path, chars: int = 600) -> str:
         return "(no log)"
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def refuse_running(workdir: Path) -> None:
+    """Raises when a cluster started from ``workdir`` still runs (a crashed isolated one is not counted:
+    its lab owns its processes and the next ``up --isolate`` removes them)."""
+    if ClusterFile.path(workdir).exists():
+        existing = ClusterFile.load(workdir)
+        if not existing.isolation and any(_owned(p, workdir) for p in existing.all_procs()):
+            raise ClusterError(f"a cluster already runs from {workdir}; run 'ftctl down --workdir {workdir}' first")
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **env} if env else None)
 
 
 def up(
@@ -168,11 +184,19 @@ def up(
     s3_bucket: str = "ftd-checkpoints",
     train: TrainOptions | None = None,
     shared_hdd: bool = True,
+    isolate: bool = False,
 ) -> ClusterFile:
-    """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks."""
+    """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks.
+    ``isolate``: in the lab that :func:`.isolated.prepare` made for ``workdir`` (run from its ctl host)."""
     if nodes < 1 or spares < 0 or coordinators < 1:
         raise ClusterError("need --nodes >= 1, --spares >= 0 and --coordinators >= 1")
     workdir = workdir.resolve()
+    iso = isolated.load(workdir) if isolate else {}
+    if isolate and not iso:
+        raise ClusterError(f"no network lab in {workdir / isolated.LAB_DIR}: start an isolated cluster with "
+                           "'ftctl up --isolate' (it creates the lab in the root namespace)")
+    if iso and (etcd_endpoints is not None or s3_endpoint):
+        raise ClusterError("--isolate starts its own etcd and has no route to an external etcd or S3 endpoint")
     if ClusterFile.path(workdir).exists():
         existing = ClusterFile.load(workdir)
         if any(_owned(p, workdir) for p in existing.all_procs()):
@@ -183,15 +207,30 @@ def up(
         stale.unlink()
     deadline = time.monotonic() + timeout_s
     pki_dir = workdir / "pki"
-    pki.bootstrap(pki_dir, CLUSTER, nodes=[f"node-{i}" for i in range(nodes + spares)],
-                  coordinators=[f"coordinator-{i}" for i in range(coordinators)])
+    if iso:  # every certificate for its host's address (issued afresh: a new lab has new addresses)
+        pki.bootstrap(pki_dir, CLUSTER)
+        identities = [("etcd", "etcd0", "etcd-0"),
+                      *(("coordinator", f"coordinator-{i}", f"coordinator-{i}") for i in range(coordinators)),
+                      *((kind, f"node-{i}", f"node-{i}") for i in range(nodes + spares)
+                        for kind in ("node", "rendezvous"))]
+        for kind, name, host in identities:
+            pki.issue(pki_dir, kind, name, hosts=[isolated.address(iso, host)], force=True)
+    else:
+        pki.bootstrap(pki_dir, CLUSTER, nodes=[f"node-{i}" for i in range(nodes + spares)],
+                      coordinators=[f"coordinator-{i}" for i in range(coordinators)])
     cluster = ClusterFile(str(workdir), "", etcd_endpoints or "", etcd_endpoints is not None,
                           created_unix_s=time.time(), s3_endpoint=s3_endpoint,
-                          s3_bucket=s3_bucket if s3_endpoint else "", pki_dir=str(pki_dir), shared_hdd=shared_hdd)
+                          s3_bucket=s3_bucket if s3_endpoint else "", pki_dir=str(pki_dir), shared_hdd=shared_hdd,
+                          isolation=iso)
     try:
         if etcd_endpoints is None:
-            etcd = EtcdCluster(workdir / "etcd", size=1, detach=True, pki_dir=pki_dir, auth=True).start(
-                timeout_s=min(20.0, timeout_s))
+            if iso:
+                etcd: EtcdCluster = isolated.LabEtcd(workdir / "etcd", size=1, detach=True, pki_dir=pki_dir,
+                                                     auth=True, hosts=[isolated.address(iso, "etcd-0")])
+                etcd.isolation = iso  # type: ignore[attr-defined]
+            else:
+                etcd = EtcdCluster(workdir / "etcd", size=1, detach=True, pki_dir=pki_dir, auth=True)
+            etcd.start(timeout_s=min(20.0, timeout_s))
             cluster.etcd_endpoints = etcd.endpoints
             cluster.etcd = [Proc(m.name, m.pid or 0, {"client_url": m.client_url, "data_dir": str(m.data_dir)})
                             for m in etcd.members]
@@ -206,10 +245,16 @@ def up(
             etcd_tls = [] if cluster.etcd_external else [
                 "--etcd-ca-file", str(own.ca_path), "--etcd-cert-file", str(own.cert_path),
                 "--etcd-key-file", str(own.key_path)]
-            proc = _spawn([py, "-m", "ftd.coordinator.main", "--etcd-endpoints", cluster.etcd_endpoints,
-                           "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                           "--replica-id", f"coordinator-{i}", "--cluster", CLUSTER, "--pki-dir", str(pki_dir),
-                           *etcd_tls, "--ready-file", str(ready), *(extra_coordinator_args or [])], log)
+            if iso:
+                addr = isolated.address(iso, f"coordinator-{i}")
+                listen = [f"{addr}:{isolated.COORDINATOR_PORT}", f"{addr}:{isolated.COORDINATOR_METRICS_PORT}"]
+            else:
+                listen = ["127.0.0.1:0", "127.0.0.1:0"]
+            argv = [py, "-m", "ftd.coordinator.main", "--etcd-endpoints", cluster.etcd_endpoints,
+                    "--listen", listen[0], "--metrics-listen", listen[1],
+                    "--replica-id", f"coordinator-{i}", "--cluster", CLUSTER, "--pki-dir", str(pki_dir),
+                    *etcd_tls, "--ready-file", str(ready), *(extra_coordinator_args or [])]
+            proc = _spawn(isolated.wrap(iso, f"coordinator-{i}", argv) if iso else argv, log)
             cluster.coordinators.append(Proc(f"coordinator-{i}", proc.pid))
             cluster.save()
             cluster.coordinators[-1].info = _wait_file(ready, proc, deadline, log)
@@ -249,9 +294,12 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
     # can restore a dead node's rank without the cold tier (shared_hdd=False: a node-local HDD). The
     # memory tier lives in the node directory, not in the machine's /dev/shm (tests run many clusters).
     hdd = ["--hdd-dir", str(workdir / "shared" / "hdd"), "--hdd-shared"] if cluster.shared_hdd else []
-    argv = [sys.executable, "-m", "ftd.agent.main", "--node-id", node_id, "--host", "127.0.0.1", "--role", role,
-            "--coordinators", cluster.coordinator_endpoints, "--listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0", "--workdir", str(node_dir),
+    # Isolated: the node's own address (its lab host) on fixed ports; else loopback, any free port.
+    addr = isolated.address(cluster.isolation, node_id) if cluster.isolation else "127.0.0.1"
+    ports = (isolated.AGENT_PORT, isolated.AGENT_METRICS_PORT) if cluster.isolation else (0, 0)
+    argv = [sys.executable, "-m", "ftd.agent.main", "--node-id", node_id, "--host", addr, "--role", role,
+            "--coordinators", cluster.coordinator_endpoints, "--listen", f"{addr}:{ports[0]}",
+            "--metrics-listen", f"{addr}:{ports[1]}", "--workdir", str(node_dir),
             *hdd, "--mem-dir", str(node_dir / "mem"),
             "--ready-file", str(ready), *(["--pki-dir", cluster.pki_dir] if cluster.pki_dir else []),
             # A preemption notice is this node directory's trigger file (ftctl drill --preempt writes it);
@@ -259,7 +307,11 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
             "--preempt-sources", "file", "--preempt-poll-interval-s", "0.2",
             *(["--s3-endpoint", cluster.s3_endpoint, "--s3-bucket", cluster.s3_bucket] if cluster.s3_endpoint else []),
             *(["--labels", label_text] if label_text else []), *(extra_args or [])]
-    proc = _spawn(argv, log)
+    if cluster.isolation:
+        iso = cluster.isolation
+        proc = _spawn(isolated.wrap(iso, node_id, argv), log, isolated.node_env(iso, node_id))
+    else:
+        proc = _spawn(argv, log)
     cluster.agents = [a for a in cluster.agents if a.name != node_id]
     cluster.agents.append(Proc(node_id, proc.pid, {"role": role, "workdir": str(node_dir), "labels": labels or {}}))
     cluster.save()

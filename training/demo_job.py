@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     emit(event="boot", booted=booted)
     model = model_of()
     ddp = DistributedDataParallel(model)
+    ddp_ready = time.time()  # the constructor broadcasts the parameters (and may import torch._dynamo)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ckpt: Checkpointer | PlainCheckpoints = (PlainCheckpoints(args.plain_ckpt, rank, world) if args.plain_ckpt
                                              else Checkpointer(os.environ.get("FTD_JOB", "demo"), cadence=cadence))
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(state["optim"])
         start = step + 1
     emit(event="start", restored_step=restored[0] if restored else -1, params_crc=params_crc(model),
-         restored_from=getattr(ckpt, "restored_from", ""))
+         restored_from=getattr(ckpt, "restored_from", ""), ddp_ready=ddp_ready)
     for step in range(start, args.steps):
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
