@@ -27,10 +27,17 @@ def test_time_based_persistence() -> None:
 def test_a_slow_snapshot_widens_the_memory_interval() -> None:
     p = CadencePolicy(max_stall_fraction=0.1)
     assert memory_interval(p, stall_s=0.001, step_s=0.1) == 1
-    assert memory_interval(p, stall_s=0.05, step_s=0.1) == 5  # 50 ms stall, 10 ms allowed per step
+    # 50 ms stall, 10 ms allowed per step: 5 steps needed, rounded up to a power of two so that ranks
+    # widening differently (2, 4, 8...) still snapshot common steps.
+    assert memory_interval(p, stall_s=0.05, step_s=0.1) == 8
+    assert memory_interval(p, stall_s=0.015, step_s=0.1) == 2
     d = decide(p, 7, 0.0, 0, 0.0, stall_s=0.05, step_s=0.1)
-    assert not d.memory and "next memory snapshot in 3" in d.reason
-    assert "widened from 1" in decide(p, 10, 0.0, 0, 0.0, stall_s=0.05, step_s=0.1).reason
+    assert not d.memory and "next memory snapshot in 1" in d.reason
+    assert "widened from 1" in decide(p, 16, 0.0, 0, 0.0, stall_s=0.05, step_s=0.1).reason
+    # Two ranks that widened to 2 and 8 both snapshot every multiple of 8.
+    fast, slow = memory_interval(p, 0.015, 0.1), memory_interval(p, 0.05, 0.1)
+    both = [s for s in range(1, 33) if s % fast == 0 and s % slow == 0]
+    assert both == [8, 16, 24, 32]
 
 
 def test_bad_policies_are_refused() -> None:

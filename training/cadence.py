@@ -61,13 +61,19 @@ class Decision:
 
 def memory_interval(policy: CadencePolicy, stall_s: float, step_s: float) -> int:
     """Steps between memory snapshots: the configured interval, widened while the measured snapshot
-    stall exceeds ``max_stall_fraction`` of the step time (0 when snapshots are off)."""
-    if policy.memory_every_steps == 0:
+    stall exceeds ``max_stall_fraction`` of the step time (0 when snapshots are off). A widened
+    interval is the configured one times a power of two: every rank measures its own stall, and ranks
+    that widen differently must still snapshot common steps (every multiple of the widest interval),
+    or no step would ever be complete in memory."""
+    every = policy.memory_every_steps
+    if every == 0:
         return 0
     if stall_s <= 0 or step_s <= 0:
-        return policy.memory_every_steps
+        return every
     needed = math.ceil(stall_s / (policy.max_stall_fraction * step_s))
-    return max(policy.memory_every_steps, needed)
+    if needed <= every:
+        return every
+    return every * 2 ** math.ceil(math.log2(math.ceil(needed / every)))
 
 
 def decide(policy: CadencePolicy, step: int, now_s: float, last_persist_step: int, last_persist_s: float,
