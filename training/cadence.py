@@ -73,7 +73,7 @@ def memory_interval(policy: CadencePolicy, stall_s: float, step_s: float) -> int
     needed = math.ceil(stall_s / (policy.max_stall_fraction * step_s))
     if needed <= every:
         return every
-    return every * 2 ** math.ceil(math.log2(math.ceil(needed / every)))
+    return int(every * 2 ** math.ceil(math.log2(math.ceil(needed / every))))
 
 
 def decide(policy: CadencePolicy, step: int, now_s: float, last_persist_step: int, last_persist_s: float,
