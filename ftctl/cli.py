@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the cluster [s]")
     up.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL for the cold tier (default: none)")
     up.add_argument("--s3-bucket", default="ftd-checkpoints", help="bucket of the cold tier")
+    up.add_argument("--s3", action="store_true",
+                    help="start moto's S3 server as the cold tier (in its own namespace with --isolate; dev extra)")
+    up.add_argument("--etcd-members", type=int, default=1,
+                    help="members of the embedded etcd (3 survives losing one; default 1)")
     _isolate_options(up)
     sub.add_parser("down", help="stop everything 'ftctl up' started in --workdir")
 
@@ -119,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--spares", type=int, default=1)
     demo.add_argument("--keep", action="store_true", help="leave the cluster running (stop it with ftctl down)")
     demo.add_argument("--s3-endpoint", default="", help="add an S3-compatible cold tier at this URL")
+    demo.add_argument("--s3", action="store_true",
+                      help="start moto's S3 server as the cold tier (in its own namespace with --isolate; dev extra)")
     demo.add_argument("--report", type=Path, default=Path(tempfile.gettempdir()) / "ftd-demo-report.html",
                       help="where to write the drill's HTML report (default: %(default)s)")
     demo.add_argument("--preempt", action="store_true",
@@ -167,7 +173,7 @@ def _isolate_options(p: argparse.ArgumentParser) -> None:
 
 
 def _run_isolated(args: argparse.Namespace, argv: Sequence[str], workdir: Path, nodes: int, spares: int,
-                  coordinators: int, keep: bool) -> int:
+                  coordinators: int, keep: bool, etcd: int = 1) -> int:
     """The root-namespace half of ``up``/``demo --isolate``: creates the lab of ``workdir`` (removing a
     crashed one there first), runs ``ftctl ARGV`` inside its ctl namespace, and removes the lab again
     when that fails or ``keep`` is false."""
@@ -175,7 +181,7 @@ def _run_isolated(args: argparse.Namespace, argv: Sequence[str], workdir: Path, 
         raise UsageError("--isolate starts its own etcd and cannot reach an external etcd or S3 endpoint")
     isolated.check()
     localcluster.refuse_running(workdir)
-    iso = isolated.prepare(workdir, isolated.host_names(nodes, spares, coordinators))
+    iso = isolated.prepare(workdir, isolated.host_names(nodes, spares, coordinators, etcd, s3=args.s3))
     print(f"isolated: lab {iso['prefix']} on {iso['subnet']}, {len(iso['hosts'])} network namespaces "
           f"(ftctl runs in {iso['ctl']})", file=sys.stderr)
     rc = 1
@@ -259,11 +265,11 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             raise UsageError("ftctl up needs --workdir DIR")
         if args.isolate and not inside:
             return _run_isolated(args, argv, args.workdir.resolve(), args.nodes, args.spares, args.coordinators,
-                                 keep=True)
+                                 keep=True, etcd=args.etcd_members)
         cluster = localcluster.up(args.workdir, args.nodes, args.spares, args.coordinators, args.etcd_endpoints,
                                   args.racks, args.start_timeout, s3_endpoint=args.s3_endpoint,
                                   s3_bucket=args.s3_bucket, shared_hdd=not args.isolate or args.shared_hdd,
-                                  isolate=args.isolate)
+                                  isolate=args.isolate, etcd_members=args.etcd_members, s3=args.s3)
         print(f"cluster up in {cluster.workdir}: {args.nodes} active + {args.spares} spare nodes, "
               f"etcd {cluster.etcd_endpoints}")
         print(f"coordinator: {cluster.coordinator_endpoints} (mTLS; operator certificate in {cluster.pki_dir})")
@@ -285,7 +291,7 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
                     shutil.rmtree(work, ignore_errors=True)
         outcome = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say,
                                 s3_endpoint=args.s3_endpoint, preempt=args.preempt, isolate=args.isolate,
-                                shared_hdd=not args.isolate or args.shared_hdd)
+                                shared_hdd=not args.isolate or args.shared_hdd, s3=args.s3)
         report.write(outcome["drill"], args.report)
         say(f"drill report: {args.report}")
         if args.json:

@@ -1,7 +1,7 @@
 """``ftctl demo``: the README's main command, end to end on this machine.
 
 Starts a local cluster on the embedded default (etcd started for you; each node's SSD tier and a
-shared HDD tier as local directories; S3 only with ``--s3-endpoint``), trains a small real model with
+shared HDD tier as local directories; S3 only with ``--s3-endpoint`` or ``--s3``: moto), trains a small real model with
 DDP on gloo with the ftd rendezvous on the warm path (standby workers with torch imported, started by
 the agents; 2 active nodes and a hot spare), snapshots the job into the peer-replicated memory tier
 every step and persists a durable checkpoint every 1000 steps (the save cadence of a real job), kills
@@ -28,7 +28,7 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
              steps: int = 100000, memory_every: int = 1, persist_every: int = 1000, warmup_steps: int = 30,
              s3_endpoint: str = "",
              timeout_s: float = 150.0, preempt: bool = False, isolate: bool = False,
-             shared_hdd: bool = True) -> dict[str, Any]:
+             shared_hdd: bool = True, s3: bool = False) -> dict[str, Any]:
     """Returns ``{"mode", "passed", "lost_steps", "drill", "checkpoints", "status_before",
     "status_after", "timeline", "workdir"}``. With ``preempt`` the victim gets a spot preemption notice
     instead of a SIGKILL: a planned hand-over after a final checkpoint. ``isolate``: in the network lab
@@ -49,7 +49,7 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
         job="demo", min_nodes=nodes)
     mark(f"starting etcd, a coordinator and {nodes} active + {spares} spare agents in {work}")
     cluster = localcluster.up(work / "cluster", nodes, spares, s3_endpoint=s3_endpoint, train=train,
-                              shared_hdd=shared_hdd, isolate=isolate)
+                              shared_hdd=shared_hdd, isolate=isolate, s3=s3)
     client = cluster.client()
     try:
         before = status_dict(client.status())

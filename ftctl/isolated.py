@@ -39,10 +39,11 @@ COORDINATOR_PORT, COORDINATOR_METRICS_PORT = 7400, 9401
 AGENT_PORT, AGENT_METRICS_PORT = 7410, 9402
 
 
-def host_names(nodes: int, spares: int, coordinators: int = 1, etcd: int = 1) -> list[str]:
-    """The lab hosts of a cluster: the operator's ``ctl`` first, then etcd, coordinators, nodes."""
+def host_names(nodes: int, spares: int, coordinators: int = 1, etcd: int = 1, s3: bool = False) -> list[str]:
+    """The lab hosts of a cluster: the operator's ``ctl`` first, then etcd, coordinators, nodes, and
+    ``s3`` (moto's S3 server) when asked."""
     return [CTL, *(f"etcd-{i}" for i in range(etcd)), *(f"coordinator-{i}" for i in range(coordinators)),
-            *(f"node-{i}" for i in range(nodes + spares))]
+            *(f"node-{i}" for i in range(nodes + spares)), *(["s3"] if s3 else [])]
 
 
 def check() -> None:

@@ -34,8 +34,8 @@ from typing import Any
 from ftd import pki
 from ftd.coordinator.client import CoordinatorClient, remember_identity
 
-from . import isolated
-from .etcd_server import EtcdCluster
+from . import isolated, s3_server
+from .etcd_server import EtcdCluster, free_port
 
 CLUSTER = "local"  # the cluster name of every local cluster (its PKI and its coordinators' --cluster)
 
@@ -80,6 +80,7 @@ class ClusterFile:
     etcd: list[Proc] = field(default_factory=list)
     coordinators: list[Proc] = field(default_factory=list)
     agents: list[Proc] = field(default_factory=list)
+    s3: list[Proc] = field(default_factory=list)  # moto's S3 server when started by ``up(s3=True)``
     created_unix_s: float = 0.0
     s3_endpoint: str = ""
     s3_bucket: str = ""
@@ -128,14 +129,14 @@ class ClusterFile:
             raise ClusterError(f"{path} is unreadable: {exc}") from exc
         try:
             data.pop("drill_token", None)  # written by older versions; drills need no token now
-            for key in ("etcd", "coordinators", "agents"):
+            for key in ("etcd", "coordinators", "agents", "s3"):
                 data[key] = [Proc(**p) for p in data.get(key, [])]
             return cls(**data)
         except TypeError as exc:
             raise ClusterError(f"{path} is not an ftctl cluster file: {exc}") from exc
 
     def all_procs(self) -> list[Proc]:
-        return [*self.agents, *self.coordinators, *self.etcd]
+        return [*self.agents, *self.coordinators, *self.etcd, *self.s3]
 
 
 def _wait_file(path: Path, proc: subprocess.Popen[bytes], deadline: float, log: Path) -> dict[str, Any]:
@@ -185,11 +186,19 @@ def up(
     train: TrainOptions | None = None,
     shared_hdd: bool = True,
     isolate: bool = False,
+    etcd_members: int = 1,
+    s3: bool = False,
 ) -> ClusterFile:
     """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks.
-    ``isolate``: in the lab that :func:`.isolated.prepare` made for ``workdir`` (run from its ctl host)."""
-    if nodes < 1 or spares < 0 or coordinators < 1:
-        raise ClusterError("need --nodes >= 1, --spares >= 0 and --coordinators >= 1")
+    ``isolate``: in the lab that :func:`.isolated.prepare` made for ``workdir`` (run from its ctl host).
+    ``etcd_members``: the embedded etcd's size (3 or 5 survive the loss of a member). ``s3``: moto's S3
+    server as the cold tier (in the lab host ``s3`` when isolated)."""
+    if nodes < 1 or spares < 0 or coordinators < 1 or etcd_members < 1:
+        raise ClusterError("need --nodes >= 1, --spares >= 0, --coordinators >= 1 and --etcd-members >= 1")
+    if s3 and s3_endpoint:
+        raise ClusterError("--s3 starts its own S3 server; it cannot be combined with --s3-endpoint")
+    if s3 and not s3_server.available():
+        raise ClusterError("--s3 needs moto's S3 server: ./install.sh --dev (pip install 'moto[s3,server]')")
     workdir = workdir.resolve()
     iso = isolated.load(workdir) if isolate else {}
     if isolate and not iso:
@@ -209,7 +218,7 @@ def up(
     pki_dir = workdir / "pki"
     if iso:  # every certificate for its host's address (issued afresh: a new lab has new addresses)
         pki.bootstrap(pki_dir, CLUSTER)
-        identities = [("etcd", "etcd0", "etcd-0"),
+        identities = [*(("etcd", f"etcd{i}", f"etcd-{i}") for i in range(etcd_members)),
                       *(("coordinator", f"coordinator-{i}", f"coordinator-{i}") for i in range(coordinators)),
                       *((kind, f"node-{i}", f"node-{i}") for i in range(nodes + spares)
                         for kind in ("node", "rendezvous"))]
@@ -225,16 +234,19 @@ def up(
     try:
         if etcd_endpoints is None:
             if iso:
-                etcd: EtcdCluster = isolated.LabEtcd(workdir / "etcd", size=1, detach=True, pki_dir=pki_dir,
-                                                     auth=True, hosts=[isolated.address(iso, "etcd-0")])
+                etcd: EtcdCluster = isolated.LabEtcd(
+                    workdir / "etcd", size=etcd_members, detach=True, pki_dir=pki_dir, auth=True,
+                    hosts=[isolated.address(iso, f"etcd-{i}") for i in range(etcd_members)])
                 etcd.isolation = iso  # type: ignore[attr-defined]
             else:
-                etcd = EtcdCluster(workdir / "etcd", size=1, detach=True, pki_dir=pki_dir, auth=True)
+                etcd = EtcdCluster(workdir / "etcd", size=etcd_members, detach=True, pki_dir=pki_dir, auth=True)
             etcd.start(timeout_s=min(20.0, timeout_s))
             cluster.etcd_endpoints = etcd.endpoints
             cluster.etcd = [Proc(m.name, m.pid or 0, {"client_url": m.client_url, "data_dir": str(m.data_dir)})
                             for m in etcd.members]
             cluster.save()
+        if s3:
+            start_s3(cluster, s3_bucket, deadline)
         py = sys.executable
         for i in range(coordinators):
             ready = workdir / "run" / f"coordinator-{i}.json"
@@ -278,6 +290,22 @@ def up(
         raise
 
 
+def start_s3(cluster: ClusterFile, bucket: str, deadline: float) -> None:
+    """moto's S3 server for ``cluster`` (lab host ``s3`` when isolated, else a free loopback port), its
+    bucket created; the agents get its endpoint and test credentials."""
+    workdir = Path(cluster.workdir)
+    iso = cluster.isolation
+    host, port = (isolated.address(iso, "s3"), s3_server.PORT) if iso else ("127.0.0.1", free_port())
+    argv = s3_server.command(workdir, host, port)
+    log = workdir / "logs" / "s3.log"
+    proc = _spawn(isolated.wrap(iso, "s3", argv) if iso else argv, log)
+    cluster.s3 = [Proc("s3", proc.pid, {"endpoint": f"http://{host}:{port}", "host": host, "port": port})]
+    cluster.s3_endpoint, cluster.s3_bucket = f"http://{host}:{port}", bucket
+    cluster.save()
+    s3_server.wait_serving(proc, host, port, max(1.0, deadline - time.monotonic()), log)
+    s3_server.create_bucket(cluster.s3_endpoint, bucket)
+
+
 def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str, str] | None = None,
                 extra_args: list[str] | None = None) -> tuple[subprocess.Popen[bytes], Path, Path]:
     """Starts (or restarts) one agent of ``cluster`` and records it; returns (process, ready file, log).
@@ -307,11 +335,12 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
             "--preempt-sources", "file", "--preempt-poll-interval-s", "0.2",
             *(["--s3-endpoint", cluster.s3_endpoint, "--s3-bucket", cluster.s3_bucket] if cluster.s3_endpoint else []),
             *(["--labels", label_text] if label_text else []), *(extra_args or [])]
+    env = dict(s3_server.CREDENTIALS) if cluster.s3 else {}  # our moto: any key signs
     if cluster.isolation:
         iso = cluster.isolation
-        proc = _spawn(isolated.wrap(iso, node_id, argv), log, isolated.node_env(iso, node_id))
+        proc = _spawn(isolated.wrap(iso, node_id, argv), log, {**isolated.node_env(iso, node_id), **env})
     else:
-        proc = _spawn(argv, log)
+        proc = _spawn(argv, log, env or None)
     cluster.agents = [a for a in cluster.agents if a.name != node_id]
     cluster.agents.append(Proc(node_id, proc.pid, {"role": role, "workdir": str(node_dir), "labels": labels or {}}))
     cluster.save()
@@ -371,7 +400,7 @@ def stop(cluster: ClusterFile, timeout_s: float = 10.0) -> list[str]:
     """Stops agents, then coordinators, then etcd (SIGTERM, SIGKILL after ``timeout_s``)."""
     workdir = Path(cluster.workdir)
     stopped = []
-    for group in (cluster.agents, cluster.coordinators, cluster.etcd):
+    for group in (cluster.agents, cluster.coordinators, cluster.etcd, cluster.s3):
         mine = [p for p in group if _owned(p, workdir)]
         for p in mine:
             _signal(p.pid, signal.SIGTERM)

@@ -96,6 +96,15 @@ class PlainCheckpoints:
         pass
 
 
+def finish_line(path: Path, default: int) -> int:
+    """The step written in ``path`` (the same for every rank: written once, atomically, by whoever ends
+    the job, above every rank's current step), or ``default`` while there is none."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return default
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
@@ -108,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a memory snapshot every N steps, by the save cadence (0: --ckpt-every saves only)")
     ap.add_argument("--persist-every", type=int, default=1000, help="with --memory-every: durable every N steps")
     ap.add_argument("--persist-every-s", type=float, default=0.0, help="with --memory-every: durable every S seconds")
+    ap.add_argument("--finish-file", type=Path, default=None,
+                    help="a finish line: once this file holds a step number, every rank stops after that step "
+                         "(a test or chaos scenario ends the job when it has seen what it needs)")
     args = ap.parse_args(argv)
     cadence = CadencePolicy(args.memory_every, args.persist_every, args.persist_every_s) if args.memory_every else None
     booted = time.time()
@@ -140,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         start = step + 1
     emit(event="start", restored_step=restored[0] if restored else -1, params_crc=params_crc(model),
          restored_from=getattr(ckpt, "restored_from", ""), ddp_ready=ddp_ready)
+    last = args.steps - 1
     for step in range(start, args.steps):
+        if args.finish_file is not None and last == args.steps - 1:
+            last = min(last, finish_line(args.finish_file, last))
+        if step > last:
+            break
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
         time.sleep(args.step_time)
     ckpt.wait()
-    emit(event="done", step=args.steps - 1)
+    emit(event="done", step=last)
     ckpt.close()
     dist.destroy_process_group()
     return 0

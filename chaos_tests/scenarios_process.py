@@ -1,0 +1,157 @@
+"""Scenarios where processes die or hang: an agent, a worker, a whole node (one or two at once), a
+node frozen by SIGSTOP, and the restore of a node-local job on a spare."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+
+from ftd.agent.buddy import Peer, choose_buddy
+from ftd.testing import wait_for
+
+from .invariants import Check
+from .scenario import Context, Outcome, Scenario, Shape
+
+RECOVER_S = 60.0
+
+
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _gone(pids: Iterable[int], timeout_s: float) -> bool:
+    pids = list(pids)
+    try:
+        wait_for(lambda: not [p for p in pids if _alive(p)], timeout_s, f"processes {pids} gone", interval_s=0.1)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (a killed child of a live agent stays a zombie until reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def kill_node(ctx: Context, node: str) -> list[int]:
+    """A node lost at once: its agent and every training process SIGKILLed (power cut)."""
+    pids = [ctx.agent(node).pid, *ctx.worker_pids(node)]
+    _signal(pids, signal.SIGKILL)
+    return pids
+
+
+def promoted(ctx: Context, lost: set[str], before_spares: Iterable[str]) -> Check:
+    world = ctx.wait_world_without(lost, RECOVER_S)
+    taken = sorted(set(world) & set(before_spares))
+    return Check("spare_promoted", len(taken) == len(lost),
+                 f"world {world}: spare(s) {taken} took the rank(s) of {sorted(lost)}")
+
+
+def agent_kill(ctx: Context) -> Outcome:
+    """The agent alone is SIGKILLed (OOM killer, a bug): its workers must not go on without
+    supervision, the node is declared dead and the spare takes its rank."""
+    b = ctx.baseline()
+    victim = b.world[-1]
+    workers = ctx.worker_pids(victim)
+    os.kill(ctx.agent(victim).pid, signal.SIGKILL)
+    checks = [promoted(ctx, {victim}, b.spares)]
+    orphans_gone = _gone(workers, 20.0)
+    checks.append(Check("orphan_workers_exit", orphans_gone,
+                        f"the dead agent's workers {workers} {'exited' if orphans_gone else 'still run'}"))
+    ctx.wait_progress(10, RECOVER_S)
+    return Outcome(b, frozenset({victim}), f"agent of {victim} killed; workers {workers}", checks)
+
+
+def worker_kill(ctx: Context) -> Outcome:
+    """One training process SIGKILLed: the agent restarts the round on the same nodes, nobody is
+    declared dead, training resumes from memory."""
+    b = ctx.baseline()
+    victim = b.world[0]
+    pids = ctx.worker_pids(victim)
+    _signal(pids[:1], signal.SIGKILL)
+    restarted = wait_for(lambda: [r for r in ctx.records() if r.get("event") == "start" and r["t"] > b.at_unix_s],
+                         RECOVER_S, "a restarted round")
+    ctx.wait_progress(10, RECOVER_S)
+    world = ctx.world()
+    return Outcome(b, frozenset(), f"worker {pids[:1]} of {victim} killed; {len(restarted)} rank(s) restarted",
+                   [Check("same_members", set(world) == set(b.world), f"world {world} (before {list(b.world)})")])
+
+
+def node_hang(ctx: Context) -> Outcome:
+    """A node frozen (SIGSTOP on its agent and workers: sockets stay open, nothing answers): declared
+    dead by missed heartbeats and replaced; once thawed it is fenced and does not rejoin the world."""
+    b = ctx.baseline()
+    victim = b.world[-1]
+    pids = [ctx.agent(victim).pid, *ctx.worker_pids(victim)]
+    _signal(pids, signal.SIGSTOP)
+    try:
+        checks = [promoted(ctx, {victim}, b.spares)]
+        ctx.wait_progress(10, RECOVER_S)
+    finally:
+        _signal(pids, signal.SIGCONT)
+    old_workers = pids[1:]
+    exited = _gone(old_workers, 30.0)
+    checks.append(Check("thawed_workers_stopped", exited,
+                        f"the frozen node's old workers {old_workers} {'stopped' if exited else 'still run'}"))
+    ctx.wait_progress(10, RECOVER_S)
+    world = ctx.world()
+    checks.append(Check("thawed_node_not_in_world", victim not in world, f"world after thaw {world}"))
+    return Outcome(b, frozenset({victim}), f"{victim} frozen (pids {pids}) until replaced", checks)
+
+
+def _buddies(nodes: list[str], racks: int) -> dict[str, str | None]:
+    peers = [Peer(n, f"r{int(n.rsplit('-', 1)[1]) % racks}", True) for n in nodes]
+    return {p.node_id: choose_buddy(p.node_id, p.domain, peers).node_id for p in peers}
+
+
+def double_failure(ctx: Context) -> Outcome:
+    """Two active nodes lost at once, neither the other's buddy: both ranks move to the two spares in
+    the next epoch and resume from their buddies' memory."""
+    b = ctx.baseline()
+    every = sorted({*b.world, *b.spares})
+    buddy = _buddies(every, ctx.shape.racks)
+    pairs = [(x, y) for i, x in enumerate(b.world) for y in b.world[i + 1:] if buddy[x] not in (x, y)
+             and buddy[y] not in (x, y)]
+    x, y = pairs[0]
+    kill_node(ctx, x)
+    kill_node(ctx, y)
+    checks = [promoted(ctx, {x, y}, b.spares)]
+    ctx.wait_progress(10, RECOVER_S)
+    return Outcome(b, frozenset({x, y}), f"{x} and {y} killed together (buddies {buddy[x]}, {buddy[y]})", checks)
+
+
+def spare_restore_node_local(ctx: Context) -> Outcome:
+    """No shared HDD and no S3: every durable copy is on the node that dies. The spare restores the
+    dead rank from the buddy's memory over the network, never from step 0."""
+    b = ctx.baseline()
+    victim = b.world[-1]
+    kill_node(ctx, victim)
+    checks = [promoted(ctx, {victim}, b.spares)]
+    ctx.wait_progress(10, RECOVER_S)
+    starts = [r for r in ctx.records() if r.get("event") == "start" and r["t"] > b.at_unix_s]
+    low = min((int(r["restored_step"]) for r in starts), default=-1)
+    sources = sorted({str(r.get("restored_from", "")) for r in starts})
+    checks.append(Check("resumed_from_a_checkpoint", bool(starts) and low >= 0,
+                        f"ranks restarted at restored step {low} (not from step 0); sources {sources}"))
+    return Outcome(b, frozenset({victim}), f"{victim} killed; restored from {sources}", checks)
+
+
+SCENARIOS = [
+    Scenario("agent-kill", "the agent alone SIGKILLed: node declared dead, spare promoted, orphans stop",
+             agent_kill),
+    Scenario("worker-kill", "one training process SIGKILLed: the round restarts on the same nodes", worker_kill),
+    Scenario("node-hang", "agent and workers SIGSTOPped: declared dead, replaced, fenced when thawed", node_hang),
+    Scenario("double-failure", "two active nodes killed at once: two spares take their ranks", double_failure,
+             Shape(nodes=3, spares=2)),
+    Scenario("spare-restore-node-local", "no shared HDD, no S3: the spare restores the dead rank from its "
+             "buddy's memory, never from step 0", spare_restore_node_local),
+]
