@@ -56,7 +56,7 @@ def select(only: str | None) -> list[Scenario]:
 def run_inside(scenario: Scenario, workdir: Path) -> dict[str, Any]:
     """The ctl-namespace half: cluster, fault, recovery, finish, invariants."""
     started = time.monotonic()
-    with Context.started(workdir, scenario.shape) as ctx:
+    with Context.started(workdir, scenario.shape, prepare=scenario.prepare) as ctx:
         outcome = scenario.run(ctx)
         line = ctx.finish()
         checks = judge(ctx, outcome, line)

@@ -89,6 +89,11 @@ class Scenario:
     run: Callable[[Context], Outcome]
     shape: Shape = Shape()
     timeout_s: float = 240.0
+    # Runs in the scenario's ctl-namespace process before the cluster starts, with the scenario's
+    # workdir (its cluster lives in ``workdir / "cluster"``): e.g. a small tmpfs mounted where a node's
+    # SSD tier will be. Mounts made here live in that process's mount namespace (``ip netns exec``
+    # gives it one), which the cluster's processes inherit and which vanishes with them.
+    prepare: Callable[[Path], None] | None = None
 
 
 class Context:
@@ -103,9 +108,12 @@ class Context:
 
     @classmethod
     @contextlib.contextmanager
-    def started(cls, workdir: Path, shape: Shape, timeout_s: float = 90.0) -> Iterator[Context]:
+    def started(cls, workdir: Path, shape: Shape, timeout_s: float = 90.0,
+                prepare: Callable[[Path], None] | None = None) -> Iterator[Context]:
         """The isolated cluster of ``workdir`` (its lab made by the root half) with the job training
         past its warm-up with a restorable checkpoint; stopped afterwards."""
+        if prepare is not None:
+            prepare(workdir)
         for key, value in shape.env:
             os.environ[key] = value
         out, finish = workdir / "training", workdir / "finish-step"
