@@ -79,13 +79,23 @@ from .snapshot import Snapshotter
 
 log = logging.getLogger("ftd.training.checkpoint")
 _FAILPOINT_ENV = "FTD_FAILPOINTS"
+_FAILPOINT_ARMED_ENV = "FTD_FAILPOINTS_ARMED"
 
 
 def failpoint(name: str) -> None:
     """Chaos hook: when ``name`` is listed in ``$FTD_FAILPOINTS`` the process SIGKILLs itself here,
-    which is how the crash-consistency tests stop a save at every interesting point."""
-    if name in os.environ.get(_FAILPOINT_ENV, "").split(","):
-        os.kill(os.getpid(), signal.SIGKILL)
+    which is how the crash-consistency tests stop a save at every interesting point. With
+    ``$FTD_FAILPOINTS_ARMED`` (a directory) it fires only once it is armed, and only once: in the one
+    process that removes the file ``DIR/NAME`` first (the chaos matrix arms it mid-training)."""
+    if name not in os.environ.get(_FAILPOINT_ENV, "").split(","):
+        return
+    armed = os.environ.get(_FAILPOINT_ARMED_ENV)
+    if armed:
+        try:
+            os.unlink(os.path.join(armed, name))  # atomic: exactly one process wins
+        except OSError:
+            return
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class HandoverTimeout(RuntimeError):
