@@ -152,3 +152,33 @@ def test_demo_isolated_restores_without_a_shared_hdd_and_leaves_nothing(tmp_path
     assert "removed" in res.stderr
     assert_clean(cluster["isolation"]["prefix"])
     assert isolated.load(work / "cluster") == {}
+
+
+@needs_lab
+@needs_etcd
+def test_up_isolated_with_s3_three_etcd_members_and_two_coordinators(workdir: Path) -> None:
+    res = ftctl("up", "--isolate", "--workdir", str(workdir), "--nodes", "2", "--spares", "1", "--s3",
+                "--etcd-members", "3", "--coordinators", "2")
+    assert res.returncode == 0, res.stderr + res.stdout
+    lab = isolated.load(workdir)
+    prefix, subnet = lab["prefix"], ipaddress.IPv4Network(lab["subnet"])
+    assert {"s3", "etcd-0", "etcd-1", "etcd-2", "coordinator-0", "coordinator-1"} <= set(lab["hosts"])
+    cluster = json.loads((workdir / "cluster.json").read_text())
+    etcd = cluster["etcd_endpoints"].split(",")
+    assert len(etcd) == 3 and all(ipaddress.IPv4Address(e.split(":")[0]) in subnet for e in etcd)
+    assert [e.split(":")[0] for e in etcd] == [lab["hosts"][f"etcd-{i}"]["address"] for i in range(3)]
+    assert cluster["s3_endpoint"] == f"http://{lab['hosts']['s3']['address']}:9000"
+    assert cluster["s3"][0]["pid"] > 0
+    status = json.loads(ftctl("--workdir", str(workdir), "status", "--json").stdout)
+    assert len(status["world"]) == 2 and len(status["spares"]) == 1
+    down = ftctl("down", "--workdir", str(workdir))
+    assert down.returncode == 0, down.stderr
+    assert "etcd2" in down.stdout and "s3" in down.stdout and "coordinator-1" in down.stdout
+    assert_clean(prefix)
+
+
+def test_s3_with_an_endpoint_is_refused(tmp_path: Path) -> None:
+    from ftctl import localcluster
+
+    with pytest.raises(localcluster.ClusterError, match="cannot be combined with --s3-endpoint"):
+        localcluster.up(tmp_path / "c", 1, 0, s3=True, s3_endpoint="http://127.0.0.1:1")
