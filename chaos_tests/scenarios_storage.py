@@ -201,8 +201,8 @@ def s3_outage(ctx: Context) -> Outcome:
         step_end = ctx.step()
         margin = 2 * ctx.shape.persist_every
         leaked = _newest(ctx, lambda c: c.step > step_at_cut + margin and bool(c.on_tier.get("s3", False)))
-        durable = _newest(ctx, _after(step_at_cut, "ssd"))
         target = ctx.restorable_step()
+        durable = _newest(ctx, _after(step_at_cut, "ssd"))  # read last: the newest durable step at the heal
         errors = {n: storage_lab.metric(ctx, n, "ftd_agent_tier_errors_total", {"tier": "s3"}) for n in b.world}
         lag = {n: storage_lab.metric(ctx, n, "ftd_agent_tier_lag_steps", {"tier": "s3"}) for n in b.world}
     finally:
@@ -218,13 +218,14 @@ def s3_outage(ctx: Context) -> Outcome:
                         and not seen.fenced_agents and seen.status_failed == 0,
                         f"dead {sorted(seen.dead_seen)}, epochs {sorted(seen.epochs_seen)}, fenced "
                         f"{sorted(seen.fenced_agents)}, status failures {seen.status_failed}"))
+    # The newest durable checkpoint when S3 came back (made during the outage, so never copied yet)
+    # must reach S3, every rank of it: the migration resumed and copies the newest first.
     healed = time.monotonic()
-    step_heal = ctx.step()
-    copied = _wait_checkpoint(ctx, _after(step_heal, "s3"), 45.0, "a checkpoint newer than the outage on S3")
-    checks.append(Check("migration_resumed", copied is not None,
-                        f"step {copied} (newer than {step_heal}, the step at the heal) on S3 after "
-                        f"{time.monotonic() - healed:.1f}s" if copied is not None else
-                        f"no step newer than {step_heal} reached S3 within 45s of the heal"))
+    copied = _wait_checkpoint(ctx, _after(durable - 1, "s3"), 45.0, f"step {durable} or newer on S3")
+    checks.append(Check("migration_resumed", copied is not None and durable > step_at_cut + margin,
+                        f"step {copied} (>= {durable}, the newest durable step at the heal) on S3 "
+                        f"{time.monotonic() - healed:.1f}s after the heal" if copied is not None else
+                        f"no step >= {durable} (the newest durable step at the heal) reached S3 within 45s"))
     checks.append(_no_epoch_change(ctx, b.last_seq, epoch))
     return Outcome(b, frozenset(), f"s3 ({host.address}) cut off for {S3_OUTAGE_S:g}s at step {step_at_cut}; "
                                    f"newest on S3 after the heal: {copied}", checks)
