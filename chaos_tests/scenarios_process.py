@@ -130,8 +130,9 @@ def double_failure(ctx: Context) -> Outcome:
 
 
 def spare_restore_node_local(ctx: Context) -> Outcome:
-    """No shared HDD and no S3: every durable copy is on the node that dies. The spare restores the
-    dead rank from the buddy's memory over the network, never from step 0."""
+    """No shared HDD, no S3 and no memory tier: every copy of the dead rank's shard is on the node
+    that dies. The job is data parallel (replicated state): the spare reads the surviving rank's SSD
+    copy through that node's agent, and training resumes from the newest checkpoint, never step 0."""
     b = ctx.baseline()
     victim = b.world[-1]
     kill_node(ctx, victim)
@@ -142,6 +143,9 @@ def spare_restore_node_local(ctx: Context) -> Outcome:
     sources = sorted({str(r.get("restored_from", "")) for r in starts})
     checks.append(Check("resumed_from_a_checkpoint", bool(starts) and low >= 0,
                         f"ranks restarted at restored step {low} (not from step 0); sources {sources}"))
+    spare = [str(r.get("restored_from", "")) for r in starts if r.get("node") in b.spares]
+    checks.append(Check("spare_read_a_peer_copy", bool(spare) and all("pulled through the agent" in s for s in spare),
+                        f"the spare restored from {spare}"))
     return Outcome(b, frozenset({victim}), f"{victim} killed; restored from {sources}", checks)
 
 
@@ -152,6 +156,7 @@ SCENARIOS = [
     Scenario("node-hang", "agent and workers SIGSTOPped: declared dead, replaced, fenced when thawed", node_hang),
     Scenario("double-failure", "two active nodes killed at once: two spares take their ranks", double_failure,
              Shape(nodes=3, spares=2)),
-    Scenario("spare-restore-node-local", "no shared HDD, no S3: the spare restores the dead rank from its "
-             "buddy's memory, never from step 0", spare_restore_node_local),
+    Scenario("spare-restore-node-local", "no shared HDD, no S3, no memory tier: the spare restores the dead "
+             "rank from a surviving node's SSD copy, never from step 0", spare_restore_node_local,
+             Shape(memory_every=0, persist_every=5, agent_args=("--no-mem-tier",))),
 ]

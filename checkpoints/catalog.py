@@ -121,11 +121,19 @@ class CheckpointRecord:
         return self.complete and all(len({loc for t, loc in s.good_copies() if t == tier}) >= need
                                      for s in self.shards.values())
 
-    def readable(self, unreachable: Collection[str] = ()) -> bool:
+    def readable(self, unreachable: Collection[str] = (), replicated: bool = False) -> bool:
         """Restorable, counting only copies outside the ``unreachable`` locations (dead or fenced
-        nodes: their memory and disks cannot be read now)."""
-        return self.restorable and all(any(c.location not in unreachable for c in s.good_copies())
-                                       for s in self.shards.values())
+        nodes: their memory and disks cannot be read now). ``replicated`` (every rank holds the same
+        state): one rank's reachable good copy serves them all."""
+        reach = [any(c.location not in unreachable for c in s.good_copies()) for s in self.shards.values()]
+        if replicated:
+            return self.valid and self.complete and any(reach)
+        return self.restorable and all(reach)
+
+    def unreachable_ranks(self, unreachable: Collection[str]) -> list[int]:
+        """Ranks with no good copy outside ``unreachable`` (a replicated restore reads another's)."""
+        return sorted(rank for rank, s in self.shards.items()
+                      if not any(c.location not in unreachable for c in s.good_copies()))
 
     @property
     def restorable(self) -> bool:
@@ -246,7 +254,8 @@ def prune_memory(records: Iterable[CheckpointRecord], rank: int, location: str,
 
 
 def restore_target(records: Iterable[CheckpointRecord], rollback_to: Rollback | None = None,
-                   world_size: int = 0, unreachable: Collection[str] = ()) -> tuple[CheckpointRecord | None, str]:
+                   world_size: int = 0, unreachable: Collection[str] = (),
+                   replicated: bool = False) -> tuple[CheckpointRecord | None, str]:
     """The newest valid step that every rank can still read from some tier (a rollback removed
     everything newer than its target).
 
@@ -257,9 +266,10 @@ def restore_target(records: Iterable[CheckpointRecord], rollback_to: Rollback | 
     and the reason says so.
 
     ``unreachable``: locations (dead or fenced nodes) whose copies cannot be read now; a step that
-    some rank could only read from there is skipped (a node's memory dies with it)."""
+    some rank could only read from there is skipped (a node's memory dies with it), unless
+    ``replicated``: then one reachable rank's copy is enough (every rank holds the same state)."""
     records = list(records)
-    valid = sorted((r for r in records if r.readable(unreachable)), key=lambda r: r.step)
+    valid = sorted((r for r in records if r.readable(unreachable, replicated)), key=lambda r: r.step)
     if not valid:
         return None, "no valid checkpoint: start from scratch"
     skipped = ""
@@ -277,10 +287,14 @@ def restore_target(records: Iterable[CheckpointRecord], rollback_to: Rollback | 
                             f"state)")
         valid = same
     newest = valid[-1]
-    lost = sorted(r.step for r in records if r.restorable and r.step > newest.step and not r.readable(unreachable))
+    lost = sorted(r.step for r in records if r.restorable and r.step > newest.step
+                  and not r.readable(unreachable, replicated))
     if lost:
         skipped += (f"; skipped step(s) {', '.join(map(str, lost[-3:]))} (a rank's copies are only on unreachable "
                     f"nodes: {', '.join(sorted(unreachable)[:5])})")
+    if replicated and (borrow := newest.unreachable_ranks(unreachable)):
+        skipped += (f"; rank(s) {', '.join(map(str, borrow))} read another rank's copy (replicated state; their own "
+                    f"copies are only on unreachable nodes)")
     if rollback_to is not None and rollback_to.step == newest.step:
         return newest, f"step {newest.step}, the rollback target{skipped}"
     return newest, f"newest valid step {newest.step}{skipped}"

@@ -284,13 +284,14 @@ class CatalogKeeper:
         token = f"{infos[-1].job}/{infos[-1].step:012d}" if more else ""
         return checkpoint_pb2.ListCheckpointsResponse(checkpoints=infos, next_page_token=token)
 
-    def restore_target(self, job: str, world_size: int = 0) -> checkpoint_pb2.RestoreTarget:
+    def restore_target(self, job: str, world_size: int = 0, replicated: bool = False) -> checkpoint_pb2.RestoreTarget:
         _check(job, 0)
         if world_size < 0 or world_size > MAX_RANK + 1:
             raise errors.InvalidArgument("world_size", f"must be in [0, {MAX_RANK + 1}], got {world_size}")
         view = self.state.require_leader()
         records = [r for (j, _), r in view.catalog.items() if j == job]
-        target, why = rules.restore_target(records, view.rollbacks.get(job), world_size, _unreachable(view, records))
+        target, why = rules.restore_target(records, view.rollbacks.get(job), world_size, _unreachable(view, records),
+                                           replicated)
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)
         return checkpoint_pb2.RestoreTarget(found=True, checkpoint=rules.to_info(target), reason=why)

@@ -126,6 +126,22 @@ def test_the_restore_target_skips_steps_only_readable_on_dead_nodes() -> None:
     assert rules.restore_target([newer], unreachable={"a"})[0] is None
 
 
+def test_a_replicated_job_restores_a_rank_from_another_ranks_reachable_copy() -> None:
+    """Node-local disks only: node a died with every copy of rank 0. A sharded job falls back to the
+    newest fully reachable step (none here); a data-parallel one reads rank 1's copy and says so."""
+    ssd_a, ssd_b = CopyRef("ssd", "a"), CopyRef("ssd", "b")
+    older = record(5, {0: {ssd_a}, 1: {ssd_b}})
+    newest = record(10, {0: {ssd_a}, 1: {ssd_b}})
+    assert rules.restore_target([older, newest], unreachable={"a"})[0] is None
+    target, why = rules.restore_target([older, newest], unreachable={"a"}, replicated=True)
+    assert target is newest and "rank(s) 0 read another rank's copy" in why
+    assert rules.restore_target([older, newest], replicated=True)[1] == "newest valid step 10"  # all reachable
+    # Nothing reachable at all, or a step that is not complete: never a target, replicated or not.
+    assert rules.restore_target([newest], unreachable={"a", "b"}, replicated=True)[0] is None
+    partial = record(12, {1: {ssd_b}})
+    assert rules.restore_target([older, partial], unreachable={"a"}, replicated=True)[0] is older
+
+
 def test_the_cadence_is_kept_with_the_step() -> None:
     policy = CadencePolicy(memory_every_steps=1, persist_every_steps=1000)
     text = policy.describe()

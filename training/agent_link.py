@@ -75,8 +75,9 @@ class AgentLink:
         return self._call("InvalidateCheckpoint", checkpoint_pb2.InvalidateCheckpointRequest(  # type: ignore[no-any-return]
             job=job, step=step, reason=reason))
 
-    def restore_target(self, job: str) -> checkpoint_pb2.RestoreTarget:
-        return self._call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=job))  # type: ignore[no-any-return]
+    def restore_target(self, job: str, replicated: bool = False) -> checkpoint_pb2.RestoreTarget:
+        return self._call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(  # type: ignore[no-any-return]
+            job=job, replicated=replicated))
 
     def report(self, rank: int, step: int | None = None, loss: float | None = None, grad_norm: float | None = None,
                error: str = "", error_kind: str = "", flops: float | None = None,

@@ -456,7 +456,7 @@ class Checkpointer:
         ``replicated=True`` (data parallel: every rank holds the same state) lets a world of another
         size restore: rank r reads shard ``r % old_world_size``."""
         for attempt in range(attempts):
-            target = self.agent.restore_target(self.job)
+            target = self.agent.restore_target(self.job, replicated=replicated)
             loaded: tuple[int, Any] | None = None
             if target.found:
                 loaded = self._load_step(target.checkpoint, map_location, template, weights_only, replicated)
@@ -482,11 +482,15 @@ class Checkpointer:
                                f"(world size {record.world_size}); was it saved with another world size?")
         problems: list[str] = []
         skipped: list[str] = []  # unreachable or not there: no proof of corruption
-        for copy, tier in self._candidates(shard):
+        # Replicated state (data parallel): when this rank's own copies cannot be read, any other
+        # rank's copy of the step is the same state (its own copies first, then the others in order).
+        shards = [shard, *(s for r, s in sorted(record.shards.items()) if r != want)] if replicated else [shard]
+        for source, (copy, tier) in ((s, c) for s in shards for c in self._candidates(s)):
             try:
-                state = (self._read(tier, record, shard, map_location, template, weights_only) if tier is not None
-                         else self._read_remote(copy, record, shard, map_location, template, weights_only))
-                self.restored_from = f"{copy}" + ("" if tier is not None else " (pulled through the agent)")
+                state = (self._read(tier, record, source, map_location, template, weights_only) if tier is not None
+                         else self._read_remote(copy, record, source, map_location, template, weights_only))
+                self.restored_from = (f"{copy}" + ("" if tier is not None else " (pulled through the agent)")
+                                      + ("" if source.rank == want else f" (rank {source.rank}'s copy: replicated)"))
                 return record.step, state
             except _Skipped as exc:
                 skipped.append(f"{copy}: {exc}")
@@ -496,14 +500,14 @@ class Checkpointer:
                 why = f"{type(exc).__name__}: {exc}"
                 if copy.tier == MEMORY and tier is not None and isinstance(exc, (FileNotFoundError, ObjectNotFound)):
                     skipped.append(f"{copy}: gone ({why})")  # a newer snapshot replaced it: not corrupt
-                    self._record_gone(record.step, tier, shard.rank)
+                    self._record_gone(record.step, tier, source.rank)
                     continue
                 problems.append(f"{copy}: {why}")
                 log.warning("rank %d step %d: copy on %s unusable, trying the next one: %s", self.rank, record.step,
                             copy, why)
                 with contextlib.suppress(AgentUnavailable, CatalogRefused):  # a peer's copy: recorded by its node
                     self.agent.record_copy(checkpoint_pb2.RecordCopyRequest(
-                        job=self.job, step=record.step, rank=shard.rank, tier=copy.tier, location=copy.location,
+                        job=self.job, step=record.step, rank=source.rank, tier=copy.tier, location=copy.location,
                         present=True, corrupt_reason=why[:400]))
         if skipped:
             log.error("step %d of job %s: rank %d could read no copy now (%s); not invalidated: an unreachable copy is "

@@ -447,21 +447,29 @@ class GetRestoreTargetRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    REPLICATED_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     world_size: _builtins.int
     """The world size of the restoring job (0: any). Set, the newest restorable step saved with this
     world size is the target; a newer step of another world size is skipped (the reason says so),
     so a shard committed with another world size can never make a rank's restore fail.
     """
+    replicated: _builtins.bool
+    """Every rank of the restoring job holds the same state (data parallel, DDP): a step is restorable
+    when any rank's shard has a copy that can be read now, and a rank whose own copies are out of
+    reach (on a dead node) reads another rank's. False: every rank needs a reachable copy of its own
+    shard (a sharded job), else the newest fully reachable step is the target and the reason says why.
+    """
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         world_size: _builtins.int = ...,
+        replicated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "replicated", b"replicated", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
