@@ -157,6 +157,7 @@ TRAINING = Pod("llm-7b-0", "ftd-node", {"app.kubernetes.io/name": "llm-7b"})
 ETCD_CLIENT, ETCD_PEER_PORT, ETCD_METRICS = (ETCD.ports[n] for n in ("client", "peer", "metrics"))
 COORDINATOR_GRPC, COORDINATOR_METRICS = COORDINATOR.ports["grpc"], COORDINATOR.ports["metrics"]
 AGENT_GRPC, AGENT_METRICS = AGENT.ports["grpc"], AGENT.ports["metrics"]
+AGENT_PEER_COPY = AGENT.ports["peer-copy"]
 
 EVERYONE = {
     "etcd": ETCD_PEER, "coordinator": OTHER_COORDINATOR, "agent": OTHER_AGENT, "auth-job": AUTH_JOB,
@@ -173,6 +174,7 @@ MATRIX: dict[tuple[str, int], set[str]] = {
     ("coordinator", COORDINATOR_METRICS): {"prometheus"},
     ("agent", AGENT_GRPC): {"agent", "coordinator", "operator"},
     ("agent", AGENT_METRICS): {"prometheus"},
+    ("agent", AGENT_PEER_COPY): {"agent"},  # a spare's agent pulling a shard for its restore
 }
 TARGETS = {"etcd": ETCD, "coordinator": COORDINATOR, "agent": AGENT}
 
