@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -210,6 +212,7 @@ class PeerFetcher:
         self.spool = spool
         self.timeout_s = timeout_s
         self.fast = fast  # try the holder's fast path (OpenShard, ftd.agent.bulk_copy) before ReadShard
+        shutil.rmtree(spool / _TRASH, ignore_errors=True)  # what an earlier run left being freed
 
     def fetch(self, request: agent_pb2.FetchShardRequest) -> Fetched:
         try:
@@ -220,7 +223,14 @@ class PeerFetcher:
         address = self.node_agent(request.location)
         if not address:
             raise PeerUnreachable(f"node {request.location} has no reachable agent")
-        self._forget(job, rank)
+        stale = self._forget(job, rank, sum(f.size for f in request.expected) if request.expected else None)
+        try:
+            return self._fetch(request, address)
+        finally:
+            if stale:  # freed once the new copy is in: the restore does not wait for it
+                threading.Thread(target=_remove_all, args=(stale,), name="ftd-peer-copy-free", daemon=True).start()
+
+    def _fetch(self, request: agent_pb2.FetchShardRequest, address: str) -> Fetched:
         dest = self.spool / request.job / f"step-{request.step}" / f"rank-{request.rank}-{request.location}"
         read = agent_pb2.ReadShardRequest(job=request.job, step=request.step, rank=request.rank, tier=request.tier)
         expected = {f.name: (f.size, f.crc32c) for f in request.expected} or None
@@ -266,10 +276,48 @@ class PeerFetcher:
             raise
         return Fetched(dest, nbytes, time.perf_counter() - started, verified=expected is not None)
 
-    def _forget(self, job: str, rank: int) -> None:
+    def _forget(self, job: str, rank: int, incoming: int | None) -> list[Path]:
         """Earlier copies of this rank in the spool go before a new one comes (the spool may be the
-        memory tier: a restore must not leave a shard's worth of RAM behind each time)."""
-        for old in (self.spool / job).glob(f"step-*/rank-{rank}-*"):
-            shutil.rmtree(old, ignore_errors=True)
+        memory tier: a restore must not leave a shard's worth of RAM behind each time). When the
+        spool has room for the ``incoming`` bytes besides them, they are only moved aside here and
+        returned, to be freed once the new copy is in (freeing a GiB of tmpfs costs a CPU about
+        0.15 s, which a restore need not wait for); otherwise they are removed now."""
+        old = list((self.spool / job).glob(f"step-*/rank-{rank}-*"))
+        if not old:
+            return []
+        trash = self.spool / _TRASH
+        if incoming is None or not _room(self.spool, incoming):
+            _remove_all(old)
+            return []
+        moved: list[Path] = []
+        for path in old:
+            target = trash / f"{path.name}-{secrets.token_hex(4)}"
+            try:
+                trash.mkdir(parents=True, exist_ok=True)
+                path.rename(target)
+                moved.append(target)
+            except OSError:
+                shutil.rmtree(path, ignore_errors=True)
             with contextlib.suppress(OSError):
-                old.parent.rmdir()
+                path.parent.rmdir()
+        return moved
+
+
+_TRASH = ".stale"  # under the spool: earlier copies moved aside, being freed (and any a crash left there)
+
+
+def _room(spool: Path, incoming: int) -> bool:
+    """Whether the spool's file system has room for ``incoming`` bytes (and a margin) while the old
+    copies still hold theirs."""
+    try:
+        st = os.statvfs(spool if spool.exists() else spool.parent)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= incoming + incoming // 8 + (64 << 20)
+
+
+def _remove_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
