@@ -10,14 +10,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
+
 from ftd.agent.rtt import RTT_BUCKETS
 from ftd.ftctl import isolated
 from ftd.testing import Timeout, wait_for
-from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import promql_check
 from .invariants import Check
-from .scenario import Context, Outcome, Scenario, Shape
+from .scenario import JOB, Context, Outcome, Scenario, Shape
 from .scenarios_process import RECOVER_S, promoted
 
 T = TypeVar("T")
@@ -52,6 +54,16 @@ def _death_at(ctx: Context, node: str, after_seq: int) -> float | None:
     """When ``node`` was declared dead after event ``after_seq`` (the first time), from the event log."""
     return min((float(e["at_unix_s"]) for e in ctx.events() if int(e["seq"]) > after_seq
                 and e["kind"] == "node_dead" and e["node_id"] == node), default=None)
+
+
+def _restore_target(ctx: Context) -> str:
+    """What the coordinator offers the job as its restore target now, with its reason."""
+    try:
+        target = ctx.client.call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=JOB),
+                                 idempotent=True)
+    except (ConnectionError, grpc.RpcError) as exc:
+        return f"unknown ({exc})"
+    return f"step {target.checkpoint.step}: {target.reason}" if target.found else f"none: {target.reason}"
 
 
 def node_partition(ctx: Context) -> Outcome:
@@ -112,6 +124,7 @@ def zombie(ctx: Context) -> Outcome:
     ctx.lab.partition(host)
     try:
         checks = [promoted(ctx, {victim}, b.spares)]
+        target = _restore_target(ctx)
         ctx.wait_progress(5, RECOVER_S)
     finally:
         ctx.lab.heal(host)
@@ -158,8 +171,11 @@ def zombie(ctx: Context) -> Outcome:
                         f"no node_dead event for {victim}" if died is None else
                         f"{victim} logged steps {zombie_steps[:5]} after it was declared dead" if zombie_steps else
                         f"{victim} logged no step after it was declared dead"))
+    restarts = sorted({(str(r["node"]), int(r["restored_step"]), str(r.get("restored_from", "")))
+                       for r in ctx.records() if r.get("event") == "start" and float(r["t"]) > b.at_unix_s})
     return Outcome(b, frozenset({victim}), f"{victim} ({host.address}) cut off until replaced (epoch "
-                   f"{epoch_before} -> {epoch_after}), then healed; {back or 'not back as a spare'}", checks)
+                   f"{epoch_before} -> {epoch_after}), then healed; {back or 'not back as a spare'}; restore "
+                   f"target once replaced: {target}; restarts (node, restored step, from): {restarts}", checks)
 
 
 def _log_since(path: Path, offset: int) -> str:
@@ -256,8 +272,10 @@ def leader_etcd_partition(ctx: Context) -> Outcome:
     world = list(after.world)
     checks.append(Check("world_unchanged", world == list(b.world) and after.epoch == before.epoch,
                         f"world {world} epoch {after.epoch} (before {list(b.world)} epoch {before.epoch})"))
-    return Outcome(b, frozenset(), f"leader {old} cut off from etcd; {new} took over in {took:.1f}s; "
-                   f"both replicas said is_leader=1 at {overlap or 'no sample'}s after the cut", checks)
+    both = (f"both replicas reported ftd_coordinator_is_leader 1 at {overlap}s after the cut (sampled every 0.1s; "
+            "the old one cannot commit: its etcd is cut off)" if overlap else
+            "never both reporting ftd_coordinator_is_leader 1 (sampled every 0.1s)")
+    return Outcome(b, frozenset(), f"leader {old} cut off from etcd; {new} took over in {took:.1f}s; {both}", checks)
 
 
 RTT = "ftd_agent_peer_rtt_seconds"
