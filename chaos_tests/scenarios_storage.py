@@ -30,6 +30,12 @@ def _epoch_changes(ctx: Context, after_seq: int) -> list[int]:
     return [int(e["epoch"]) for e in ctx.events() if int(e["seq"]) > after_seq and e["kind"] == "epoch_changed"]
 
 
+def _steps_per_s(ctx: Context, t0: float, t1: float) -> float:
+    """Training steps per second between the Unix times ``t0`` and ``t1`` (from the job's log)."""
+    steps = {int(r["step"]) for r in ctx.records() if r.get("event") == "step" and t0 <= float(r["t"]) <= t1}
+    return len(steps) / max(t1 - t0, 1e-3)
+
+
 def _no_epoch_change(ctx: Context, after_seq: int, epoch: int) -> Check:
     changes = _epoch_changes(ctx, after_seq)
     now = ctx.status().epoch
@@ -110,11 +116,11 @@ def etcd_member_kill(ctx: Context) -> Outcome:
     why = ""
     try:
         etcd.wait_healthy([victim], 30.0)
-        st = etcd.status(victim)
-        leader_st = etcd.status(etcd.leader())
-        rejoined = st is not None and leader_st is not None and st.leader_id == leader_st.leader_id != 0
-        why = (f"healthy after {time.monotonic() - started_at:.1f}s, sees leader {st.leader_id if st else '?'}, "
-               f"raft index {st.raft_index if st else '?'} (leader's {leader_st.raft_index if leader_st else '?'})")
+        leader = etcd.leader()
+        st, leader_st = etcd.status(victim), etcd.status(leader)
+        rejoined = st is not None and leader_st is not None and st.leader_id == leader_st.member_id
+        why = (f"healthy after {time.monotonic() - started_at:.1f}s, follows etcd{leader} (the leader), raft index "
+               f"{st.raft_index if st else '?'} (leader's {leader_st.raft_index if leader_st else '?'})")
     except TimeoutError as exc:
         why = str(exc)
     checks.append(Check("member_rejoined", rejoined, f"etcd{victim} restarted (pid {new_pid}) on its data dir: {why}"))
@@ -144,8 +150,12 @@ def etcd_outage(ctx: Context) -> Outcome:
         checks.append(Check("held_during_outage", not seen.fenced_agents and seen.epochs_seen == {epoch},
                             f"agents' epochs {sorted(seen.epochs_seen)}, fenced {sorted(seen.fenced_agents)} "
                             f"while etcd was down"))
-        checks.append(Check("trained_during_outage", step_end >= step_before + 20,
-                            f"step {step_before} -> {step_end} during the {OUTAGE_S:g}s outage"))
+        rate_before = _steps_per_s(ctx, b.at_unix_s - 2.0, b.at_unix_s)
+        rate_during = _steps_per_s(ctx, b.at_unix_s, time.time())
+        # Training goes on, slowed: each memory snapshot's commit fails only at its deadline.
+        checks.append(Check("trained_during_outage", step_end >= step_before + 10,
+                            f"step {step_before} -> {step_end} during the {OUTAGE_S:g}s outage ({rate_during:.1f} "
+                            f"steps/s, {rate_before:.1f} in the 2s before)"))
     finally:
         down_s = time.monotonic() - killed_at
         for i in members:
