@@ -23,6 +23,14 @@ beforehand; ``tcp_loopback_fresh_gbps``: into memory mapped as the bytes come), 
 spare, which holds no copy, from node-0's memory (``mem_restore_peer_s``/``_gbps``: catalog, the
 agent's pull over the fast peer copy path, load; ``mem_restore_peer_vs_tcp``: the ratio per round,
 median).
+
+Both are CPU-bound on a small box, so the CPU seconds they take are reported next to them
+(``tcp_loopback_cpu_s``: both ends of the raw copy; ``mem_restore_peer_cpu_s``: the holder's agent,
+the spare's agent and the restoring process) with ``cores``. The restore does work the raw copy does
+not and may not skip: AES-GCM on both ends, the holder's CRC32C check of its copy, and landing the
+bytes in pages the spare did not hold (tmpfs, which the restoring process then maps). On a box with
+fewer cores than those stages, the ratio to the pre-touched TCP copy is bound by the ratio of the
+CPU seconds, not by the network.
 """
 
 from __future__ import annotations
@@ -170,7 +178,7 @@ def main() -> None:
         disk_figures(args, state, size_bytes, record)
     if not args.no_memory:
         memory_figures(args, state, record)
-    out: dict[str, Any] = {"size_bytes": size_bytes, "rounds": args.repeat}
+    out: dict[str, Any] = {"size_bytes": size_bytes, "rounds": args.repeat, "cores": os.cpu_count()}
     out.update({k: statistics.median(v) for k, v in rounds.items()})
     gb = size_bytes / 1e9
     targets: dict[str, bool] = {}
@@ -273,27 +281,31 @@ def disk_figures(args: argparse.Namespace, state: dict[str, Any], size_bytes: in
 # ---- the memory tier -------------------------------------------------------------------------------------
 
 _TCP_SENDER = """
-import socket, sys
+import socket, sys, time
 data = memoryview(open(sys.argv[1], "rb").read())
 with socket.create_connection(("127.0.0.1", int(sys.argv[2]))) as s:
+    cpu = time.process_time()
     for i in range(0, len(data), 1 << 20):
         s.sendall(data[i:i + (1 << 20)])
+print(time.process_time() - cpu)
 """
 
 
-def tcp_loopback_gbps(path: Path, fresh: bool = False) -> float:
+def tcp_loopback_gbps(path: Path, fresh: bool = False) -> tuple[float, float]:
     """Raw loopback TCP of the same bytes: another process sends the file's bytes (read into its memory
     first, untimed) over a plain socket; this one receives them, from accept to the last byte, into a
     buffer allocated and touched beforehand (the network's ceiling) or, ``fresh``, into memory mapped
-    when the bytes come (what any restore pays: its bytes land in memory it did not hold before)."""
+    when the bytes come (what any restore pays: its bytes land in memory it did not hold before).
+    Returns (GB/s, CPU seconds both ends spent moving the bytes)."""
     size = path.stat().st_size
     buf: Any = None if fresh else bytearray(size)
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
-        sender = subprocess.Popen([sys.executable, "-c", _TCP_SENDER, str(path), str(srv.getsockname()[1])])
+        sender = subprocess.Popen([sys.executable, "-c", _TCP_SENDER, str(path), str(srv.getsockname()[1])],
+                                  stdout=subprocess.PIPE)
         conn, _ = srv.accept()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         if buf is None:
             buf = mmap.mmap(-1, size)
         view = memoryview(buf)
@@ -304,11 +316,25 @@ def tcp_loopback_gbps(path: Path, fresh: bool = False) -> float:
                 if not n:
                     break
                 got += n
-        took = time.perf_counter() - started
+        took, cpu = time.perf_counter() - started, time.process_time() - cpu
         view.release()
-    sender.wait()
+    out, _ = sender.communicate()
     assert got == size, f"received {got} of {size} bytes"
-    return size / took / 1e9
+    return size / took / 1e9, cpu + float(out or 0)
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far (0 = this one)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        if pid == 0:
+            t = os.times()
+            total += t.user + t.system
+            continue
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def memory_figures(args: argparse.Namespace, state: dict[str, Any], record: Callable[[str, float], None]) -> None:
@@ -328,6 +354,7 @@ def memory_figures(args: argparse.Namespace, state: dict[str, Any], record: Call
     client = cluster.client()
     sockets = {a.name: a.info["socket"] for a in cluster.agents}
     mem0 = Path(next(a for a in cluster.agents if a.name == "node-0").info["workdir"]) / "mem"
+    busy = [0, *(a.pid for a in cluster.agents if a.name in ("node-0", "node-2"))]
 
     def copies(step: int) -> set[str]:
         infos = client.call("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job="bench-mem"),
@@ -354,16 +381,19 @@ def memory_figures(args: argparse.Namespace, state: dict[str, Any], record: Call
             record("mem_replication_s", replicated_s)  # from the commit to the buddy's record (polled)
             record("mem_replication_gbps", result.bytes / replicated_s / 1e9)
             shard = mem0 / "bench-mem" / f"step-{step:012d}" / "rank-00000" / "state.pt"
-            record("tcp_loopback_gbps", tcp_loopback_gbps(shard))
-            record("tcp_loopback_fresh_gbps", tcp_loopback_gbps(shard, fresh=True))
+            gbps, cpu = tcp_loopback_gbps(shard)
+            record("tcp_loopback_gbps", gbps)
+            record("tcp_loopback_cpu_s", cpu)
+            record("tcp_loopback_fresh_gbps", tcp_loopback_gbps(shard, fresh=True)[0])
             spare = Checkpointer("bench-mem", rank=0, world_size=1, agent_socket=sockets["node-2"],
                                  install_signal_handlers=False)
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), _cpu_s(busy)
             loaded = spare.load_latest()
-            took = time.perf_counter() - t
+            took, cpu = time.perf_counter() - t, _cpu_s(busy) - cpu
             assert loaded is not None and loaded[0] == step and "pulled" in spare.restored_from, spare.restored_from
             record("mem_restore_peer_s", took)  # catalog + pull (gRPC, mTLS) + CRC32C check + load (mmap)
             record("mem_restore_peer_gbps", result.bytes / took / 1e9)
+            record("mem_restore_peer_cpu_s", cpu)  # the holder's agent, the spare's agent, the restoring process
             t = time.perf_counter()
             touch(loaded[1])
             record("mem_restore_peer_touch_s", time.perf_counter() - t)
