@@ -23,7 +23,7 @@ from typing import Any
 from ftd import netlab
 from ftd.coordinator.client import CoordinatorClient
 from ftd.ftctl import isolated, localcluster
-from ftd.testing import wait_for
+from ftd.testing import Timeout, wait_for
 from ftd.v1 import checkpoint_pb2
 
 from . import invariants
@@ -257,7 +257,7 @@ class Context:
         def done() -> bool:
             return len({r["rank"] for r in self.records() if r.get("event") == "done" and r["step"] == line}) >= ranks
 
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(Timeout):
             wait_for(done, timeout_s, f"every rank done at step {line}", interval_s=0.3)
         return line
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ftd.checkpoints.layout import MANIFEST, shard_prefix
-from ftd.testing import wait_for
+from ftd.testing import Timeout, wait_for
 
 from .invariants import Check
 from .scenario import JOB, Context, Outcome, Scenario, Shape
@@ -56,7 +56,7 @@ def crash_mid_save(ctx: Context) -> Outcome:
     fired = True
     try:
         wait_for(lambda: not trigger.exists(), 30.0, "a save reaching the armed failpoint", interval_s=0.05)
-    except TimeoutError:
+    except Timeout:
         fired = False
     starts = wait_for(lambda: _restarted(ctx, b.at_unix_s), RECOVER_S, "the round restarted after the crash")
     ctx.wait_progress(15, RECOVER_S)

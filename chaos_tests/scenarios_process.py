@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ftd.agent.buddy import Peer, choose_buddy
-from ftd.testing import wait_for
+from ftd.testing import Timeout, wait_for
 
 from .invariants import Check
 from .scenario import Context, Outcome, Scenario, Shape
@@ -28,7 +28,7 @@ def _gone(pids: Iterable[int], timeout_s: float) -> bool:
     pids = list(pids)
     try:
         wait_for(lambda: not [p for p in pids if _alive(p)], timeout_s, f"processes {pids} gone", interval_s=0.1)
-    except TimeoutError:
+    except Timeout:
         return False
     return True
 

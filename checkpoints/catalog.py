@@ -205,6 +205,17 @@ def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier:
     return new, what
 
 
+def superseded_by(records: Iterable[CheckpointRecord], manifest: ShardManifest) -> list[CheckpointRecord]:
+    """The job's records that a shard of a newer epoch abandons: every step at or after the shard's
+    that was saved in an older epoch. A world change restarts every rank from one restore point, so a
+    step saved after it in the new epoch starts a new timeline; the old timeline's steps from there on
+    (committed before the failure, perhaps on a node that died) must neither block the new saves of
+    the same step numbers nor ever be restored into the new timeline (as a rollback removes them).
+    A shard of an *older* epoch supersedes nothing: :func:`commit_shard` refuses it."""
+    return sorted((r for r in records if r.job == manifest.job and r.step >= manifest.step
+                   and r.epoch < manifest.epoch), key=lambda r: r.step)
+
+
 def add_copy(record: CheckpointRecord, rank: int, tier: str, location: str) -> CheckpointRecord:
     """A verified copy of an already committed shard now exists on ``tier``@``location`` (a
     migration); unlike :func:`commit_shard` this is allowed on an invalid step (it is just a fact)."""

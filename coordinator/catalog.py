@@ -159,6 +159,14 @@ class CatalogKeeper:
                     len({j for j, _ in records}) >= limits.MAX_CATALOG_JOBS:
                 raise errors.TooMany(f"the catalog holds checkpoints of {limits.MAX_CATALOG_JOBS} jobs already; "
                                      f"job {manifest.job} is refused until old ones are deleted")
+            abandoned = rules.superseded_by(records.values(), manifest)
+            if abandoned:  # a new timeline (restarted from an older step in a newer epoch) takes over
+                await self._delete(abandoned, f"{manifest.job}: epoch {manifest.epoch} saves step {manifest.step} "
+                                              f"again after restarting from an older one; steps "
+                                              f"{[r.step for r in abandoned][:10]} of the abandoned timeline removed")
+                log.warning("job %s: step %d saved in epoch %d; removed steps %s of older epochs (abandoned timeline)",
+                            manifest.job, manifest.step, manifest.epoch, [r.step for r in abandoned][:20])
+                records = self._records()
             before = records.get((manifest.job, manifest.step))
             cadence = limits.clip(limits.one_line(request.cadence), 200)
             try:

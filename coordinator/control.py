@@ -43,6 +43,7 @@ log = logging.getLogger("ftd.coordinator")
 
 STANDBY_POLL_S = 0.2  # how often a standby (or a leader that could not confirm its lease) tries again
 ALARM_POLL_S = 5.0  # how often every replica reads etcd's alarms
+MIN_KEEP_ALIVE_WAIT_S = 0.25  # the least a keep-alive is waited for, even past the trusted part of the lease
 MAX_PROBLEM_EVENTS = 20  # corrupt records named one by one in the event log at election
 
 
@@ -177,12 +178,19 @@ class Controller:
         state = self.committer
         assert state.lease is not None
         sent = self.clock()
+        # Lead only while the lease is surely ours: a keep-alive confirmed at ``sent`` keeps the lease
+        # in etcd until at least sent + ttl, so this replica stops leading a third of the ttl before
+        # that (and does not wait out a hung call past it): a standby can only campaign after the
+        # expiry, so two replicas never act as leader at once.
+        trust = self.settings.leader_ttl_s * 2 / 3
+        budget = max(MIN_KEEP_ALIVE_WAIT_S, self._last_confirmed + trust - sent)
         try:
-            still = await self.calls.lease("keep_alive", self.store.keep_alive, state.lease)
-        except (StoreUnavailable, StoreRejected):
+            still = await asyncio.wait_for(self.calls.lease("keep_alive", self.store.keep_alive, state.lease), budget)
+        except (StoreUnavailable, StoreRejected, asyncio.TimeoutError):
             unconfirmed = self.clock() - self._last_confirmed
-            if not state.suspended and unconfirmed > self.settings.leader_ttl_s:
-                await self._suspend(f"lease unconfirmed for {unconfirmed:.1f}s (ttl {self.settings.leader_ttl_s}s)")
+            if not state.suspended and unconfirmed >= trust:
+                await self._suspend(f"lease unconfirmed for {unconfirmed:.1f}s (ttl {self.settings.leader_ttl_s}s: "
+                                    f"leading stops after {trust:.1f}s)")
             return False
         if not still:
             await self._step_down("leader lease expired or was taken over")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -184,6 +186,47 @@ def test_new_leader_gives_grace_and_old_leader_cannot_commit() -> None:
         assert old.leader_address() == new.address
         await new.stop()
         await old.stop()
+
+    run(scenario)
+
+
+def test_a_leader_that_cannot_confirm_its_lease_stops_leading_before_the_lease_can_expire() -> None:
+    """The lease (ttl 3 s) stays ours for 3 s after a confirmed keep-alive; the leader stops leading 2 s
+    after it, whether the keep-alive fails fast or hangs, so that no standby (which can only campaign
+    after the expiry) ever leads at the same time."""
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        await ctl.leadership_step()  # confirmed now
+        store.available = False
+        clock.advance(1.5)
+        await ctl.leadership_step()
+        assert ctl.is_leader, "1.5 s unconfirmed: still well inside the lease"
+        clock.advance(0.6)
+        await ctl.leadership_step()
+        assert not ctl.is_leader and ctl.committer.lease is not None  # 2.1 s: stopped, lease still held
+        with pytest.raises(errors.NotLeader, match="cannot confirm"):
+            ctl.committer.require_leader()
+        store.available = True
+        await ctl.leadership_step()
+        assert ctl.is_leader  # confirmed again before anyone else could take it: leads again
+        # A keep-alive that hangs is not waited out past the trusted part of the lease.
+        hung = threading.Event()
+        real = store.keep_alive
+
+        def hang(lease: Any) -> bool:
+            hung.wait(5.0)
+            return real(lease)
+
+        store.keep_alive = hang  # type: ignore[method-assign]
+        clock.advance(2.5)
+        started = time.monotonic()
+        await ctl.leadership_step()
+        assert not ctl.is_leader and time.monotonic() - started < 2.0
+        hung.set()
+        await ctl.stop()
 
     run(scenario)
 
@@ -564,10 +607,36 @@ def holder(rank: int) -> str:
     return ("a", "b")[rank % 2]
 
 
-def shard(job: str, step: int, rank: int, world: int, crc: str = "0a0b0c0d") -> checkpoint_pb2.CommitShardRequest:
+def shard(job: str, step: int, rank: int, world: int, crc: str = "0a0b0c0d",
+          epoch: int = 1) -> checkpoint_pb2.CommitShardRequest:
     return checkpoint_pb2.CommitShardRequest(tier="ssd", location=holder(rank), manifest=checkpoint_pb2.ShardManifest(
-        job=job, step=step, epoch=1, rank=rank, world_size=world, format="torch",
+        job=job, step=step, epoch=epoch, rank=rank, world_size=world, format="torch",
         files=[checkpoint_pb2.ShardFile(name="state.pt", size=10, crc32c=crc)]))
+
+
+def test_a_newer_epoch_saving_an_old_step_number_abandons_the_old_timeline() -> None:
+    """Epoch 1 saved steps 10 (valid), 11 and 12 (valid) before a failure; the new world restored step
+    10 and saves 11 again in epoch 2: the old 11 and 12 are removed (never restored into the new
+    timeline, never blocking its saves); step 10 stays; a late shard of epoch 1 is refused."""
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        for step, ranks in ((10, (0, 1)), (11, (0,)), (12, (0, 1))):
+            for rank in ranks:
+                await ctl.catalog.commit_shard(shard("j", step, rank, 2, epoch=1))
+        await ctl.catalog.commit_shard(shard("j", 11, 1, 2, crc="11111111", epoch=2))
+        steps = {c.step: c for c in ctl.catalog.list("j")}
+        assert sorted(steps) == [10, 11] and steps[10].valid and steps[10].epoch == 1
+        assert steps[11].epoch == 2 and not steps[11].valid and [s.rank for s in steps[11].shards] == [1]
+        assert any(e.kind == "checkpoints_removed" and "abandoned timeline" in e.message for e in store.events.values())
+        with pytest.raises(errors.CatalogConflict, match="epoch 2; rank 0 reports 1"):
+            await ctl.catalog.commit_shard(shard("j", 11, 0, 2, epoch=1))
+        await ctl.catalog.commit_shard(shard("j", 11, 0, 2, crc="11111111", epoch=2))
+        assert ctl.catalog.restore_target("j").checkpoint.step == 11
+
+    run(scenario)
 
 
 def test_catalog_trust_restore_target_and_the_last_restorable_step() -> None:
