@@ -36,6 +36,15 @@ def _steps_per_s(ctx: Context, t0: float, t1: float) -> float:
     return len(steps) / max(t1 - t0, 1e-3)
 
 
+def _status_probe(ctx: Context) -> str:
+    """What ``ftctl status`` would get right now, in a few words (for the detail, not a check)."""
+    try:
+        st = ctx.client.status(deadline_s=1.5)
+    except ConnectionError as exc:
+        return f"no answer ({str(exc)[:160]})"
+    return f"answered: leader {st.leader_id or 'none'}, epoch {st.epoch}, etcd_reachable {st.etcd_reachable}"
+
+
 def _no_epoch_change(ctx: Context, after_seq: int, epoch: int) -> Check:
     changes = _epoch_changes(ctx, after_seq)
     now = ctx.status().epoch
@@ -144,12 +153,14 @@ def etcd_outage(ctx: Context) -> Outcome:
     checks: list[Check] = []
     try:
         pids = [etcd.kill(i) for i in members]
-        seen = watch(ctx.cluster, seconds=max(0.0, OUTAGE_S - (time.monotonic() - killed_at)),
+        seen = watch(ctx.cluster, seconds=max(0.0, OUTAGE_S - 2.0 - (time.monotonic() - killed_at)),
                      query_coordinator=False)
+        probe = _status_probe(ctx)  # at most 1.5 s
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - killed_at)))  # the outage's fixed length
         step_end = ctx.step()
         checks.append(Check("held_during_outage", not seen.fenced_agents and seen.epochs_seen == {epoch},
                             f"agents' epochs {sorted(seen.epochs_seen)}, fenced {sorted(seen.fenced_agents)} "
-                            f"while etcd was down"))
+                            f"while etcd was down; ftctl status then: {probe}"))
         rate_before = _steps_per_s(ctx, b.at_unix_s - 2.0, b.at_unix_s)
         rate_during = _steps_per_s(ctx, b.at_unix_s, time.time())
         # Training goes on, slowed: each memory snapshot's commit fails only at its deadline.
