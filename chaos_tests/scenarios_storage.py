@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ftd.testing import wait_for
+from ftd.testing import Timeout, wait_for
 from ftd.v1 import checkpoint_pb2, coordinator_pb2
 
 from . import storage_lab
@@ -72,7 +72,7 @@ def _wait_checkpoint(ctx: Context, pred: Callable[[checkpoint_pb2.CheckpointInfo
 
     try:
         return int(wait_for(found, timeout_s, what, interval_s=0.3))
-    except TimeoutError:
+    except Timeout:
         return None
 
 
@@ -139,7 +139,7 @@ def etcd_member_kill(ctx: Context) -> Outcome:
         rejoined = st is not None and leader_st is not None and st.leader_id == leader_st.member_id
         why = (f"healthy after {time.monotonic() - started_at:.1f}s, follows etcd{leader} (the leader), raft index "
                f"{st.raft_index if st else '?'} (leader's {leader_st.raft_index if leader_st else '?'})")
-    except TimeoutError as exc:
+    except Timeout as exc:
         why = str(exc)
     checks.append(Check("member_rejoined", rejoined, f"etcd{victim} restarted (pid {new_pid}) on its data dir: {why}"))
     ctx.wait_progress(10, RECOVER_S)
@@ -308,7 +308,7 @@ def disk_full(ctx: Context) -> Outcome:
 
     try:
         failures = wait_for(failed, 30.0, f"a disk_full save failure on {node}", interval_s=0.3)
-    except TimeoutError:
+    except Timeout:
         failures = 0.0
     lines = storage_lab.log_lines(ctx, node, "(disk_full)")
     error = lines[-1].split("failed on", 1)[-1].strip()[:240] if lines else "(none in the agent log)"

@@ -179,10 +179,11 @@ class Controller:
         assert state.lease is not None
         sent = self.clock()
         # Lead only while the lease is surely ours: a keep-alive confirmed at ``sent`` keeps the lease
-        # in etcd until at least sent + ttl, so this replica stops leading a third of the ttl before
-        # that (and does not wait out a hung call past it): a standby can only campaign after the
-        # expiry, so two replicas never act as leader at once.
-        trust = self.settings.leader_ttl_s * 2 / 3
+        # in etcd until at least sent + ttl (an etcd leader change even renews it), so this replica
+        # stops leading a sixth of the ttl before that (and does not wait out a hung call past it): a
+        # standby can only campaign after the expiry, so two replicas never act as leader at once. The
+        # margin stays small so that an etcd leader election (about a second) does not suspend it.
+        trust = self.settings.leader_ttl_s * 5 / 6
         budget = max(MIN_KEEP_ALIVE_WAIT_S, self._last_confirmed + trust - sent)
         try:
             still = await asyncio.wait_for(self.calls.lease("keep_alive", self.store.keep_alive, state.lease), budget)
