@@ -211,6 +211,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             request.tier = "ssd"
         if not request.location:
             request.location = self.daemon.node_id if request.tier != "s3" else "s3"
+        if request.tier == "mem" and not self.daemon.session.connected:
+            # No leader to record it now (etcd down, a failover): waiting out the client's deadline
+            # would stall the training's next snapshot behind this one. The next step snapshots again.
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"node {self.daemon.node_id} has no coordinator leader connected now: memory snapshot "
+                          f"of step {request.manifest.step} (rank {request.manifest.rank}) not recorded")
         response = self._forward("CommitShard", request, context)
         if request.tier == "mem" and self.daemon.replicator is not None:  # to the buddy, in the background
             m = request.manifest
