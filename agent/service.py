@@ -211,12 +211,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             request.tier = "ssd"
         if not request.location:
             request.location = self.daemon.node_id if request.tier != "s3" else "s3"
-        if request.tier == "mem" and not self.daemon.session.connected:
-            # No leader to record it now (etcd down, a failover): waiting out the client's deadline
-            # would stall the training's next snapshot behind this one. The next step snapshots again.
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"node {self.daemon.node_id} has no coordinator leader connected now: memory snapshot "
-                          f"of step {request.manifest.step} (rank {request.manifest.rank}) not recorded")
+        if request.tier == "mem":
+            self._need_leader(context, f"memory snapshot of step {request.manifest.step} (rank "
+                                       f"{request.manifest.rank})")
         response = self._forward("CommitShard", request, context)
         if request.tier == "mem" and self.daemon.replicator is not None:  # to the buddy, in the background
             m = request.manifest
@@ -225,8 +222,18 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             self.daemon.tiering.notify()
         return response  # type: ignore[no-any-return]
 
+    def _need_leader(self, context: grpc.ServicerContext, what: str) -> None:
+        """Memory-tier bookkeeping happens every step from the training's save path: while no leader
+        can record it (etcd down, a failover), waiting out the client's deadline would stall the next
+        snapshot behind this one, so it fails at once (the next step's snapshot records again)."""
+        if not self.daemon.session.connected:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"node {self.daemon.node_id} has no coordinator leader connected now: {what} not recorded")
+
     def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,
                    context: grpc.ServicerContext) -> checkpoint_pb2.RecordCopyResponse:
+        if request.tier == "mem":
+            self._need_leader(context, f"memory copy of step {request.step} (rank {request.rank})")
         return self._forward("RecordCopy", request, context)  # type: ignore[no-any-return]
 
     def InvalidateCheckpoint(self, request: checkpoint_pb2.InvalidateCheckpointRequest,

@@ -56,6 +56,9 @@ def test_a_memory_commit_without_a_leader_fails_fast_naming_the_snapshot() -> No
     assert ctx.code is grpc.StatusCode.UNAVAILABLE
     assert "node-0 has no coordinator leader" in ctx.details and "step 7 (rank 1)" in ctx.details
     assert client.calls == []
+    with pytest.raises(Aborted):
+        svc.RecordCopy(checkpoint_pb2.RecordCopyRequest(job="j", step=5, rank=1, tier="mem"), ctx)  # type: ignore[arg-type]
+    assert "memory copy of step 5 (rank 1) not recorded" in ctx.details and client.calls == []
 
 
 def test_durable_commits_and_connected_memory_commits_are_forwarded() -> None:

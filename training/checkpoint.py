@@ -172,6 +172,10 @@ class Checkpointer:
         self._durable_pool = ThreadPoolExecutor(1, thread_name_prefix="ftd-ckpt-durable")
         self._durable: Future[SaveResult] | None = None
         self._pinned: set[int] = set()
+        # Set: no durable copy is reading a memory snapshot (its commit may still be under way: the
+        # next snapshot need not wait for the catalog, only for the bytes to be on the SSD).
+        self._unpinned = threading.Event()
+        self._unpinned.set()
         # Cadence state (step_end).
         self._last_persist_step = -1
         self._last_persist_s = 0.0
@@ -301,10 +305,9 @@ class Checkpointer:
         try:
             held = [s for s in memory_tier.snapshots(root, self.job, self.rank) if s != step]
             with self._lock:
-                copying = self._durable if self._pinned & set(held[:max(0, len(held) - memory_tier.KEEP + 1)]) \
-                    else None
-            if copying is not None:
-                copying.result()  # the oldest snapshot is still being copied to the SSD: it goes after
+                copying = bool(self._pinned & set(held[:max(0, len(held) - memory_tier.KEEP + 1)]))
+            if copying:
+                self._unpinned.wait()  # the oldest snapshot is still being copied to the SSD: it goes after
             estimate = self._snap.buffer_bytes + self._snap.buffer_bytes // 100 + (256 << 10)  # + torch.save's framing
             deleted = memory_tier.admit(self.mem.backend, root, capacity, self.job, self.rank, step, estimate,
                                         f"the memory snapshot of step {step} (rank {self.rank})", set(self._pinned))
@@ -328,6 +331,7 @@ class Checkpointer:
         if durable and manifest is not None:  # in memory (committed or not): the SSD copy is made from there
             with self._lock:
                 self._pinned.add(step)
+                self._unpinned.clear()
                 self._durable = self._durable_pool.submit(self._copy_durable, step, manifest, blocked)
         elif durable:  # the buffers were not released: the snapshot is still there
             log.warning("step %d: no memory copy (%s); writing the durable checkpoint directly", step, result.error)
@@ -358,6 +362,7 @@ class Checkpointer:
                 with contextlib.suppress(StorageError, OSError):
                     staging.abort()
                 raise
+            self._unpin(step)  # on the SSD: the memory snapshot may go while the commit is under way
             response = self.agent.commit_shard(_manifest_proto(manifest), tier="ssd", cadence=self._cadence_text)
             result.ok, result.bytes, result.valid = True, manifest.total_bytes, response.checkpoint.valid
         except StorageFull as exc:
@@ -367,12 +372,17 @@ class Checkpointer:
             result.error = f"{type(exc).__name__}: {exc}"
             self._report_failure(step, result.error, "error")
         finally:
-            with self._lock:
-                self._pinned.discard(step)
+            self._unpin(step)
         result.persist_s = time.perf_counter() - started
         self._event(step, "done" if result.ok else "failed", persist_s=result.persist_s, bytes=result.bytes)
         self.results.append(result)
         return result
+
+    def _unpin(self, step: int) -> None:
+        with self._lock:
+            self._pinned.discard(step)
+            if not self._pinned:
+                self._unpinned.set()
 
     def _record_gone(self, step: int, tier: Tier, rank: int | None = None) -> None:
         """This node no longer holds its copy of ``step`` on ``tier`` (this rank's, or ``rank``'s)."""
