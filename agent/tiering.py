@@ -110,6 +110,17 @@ def published_shards(backend: StorageBackend) -> dict[ShardId, ShardManifest]:
     return out
 
 
+# An unreachable tier (S3 down) is retried after this long, doubling up to the maximum: meanwhile its
+# migrations and its retention are skipped, so the other tiers' work never waits on its retries.
+DOWN_BACKOFF_S = (5.0, 60.0)
+
+
+def next_backoff(previous_s: float, bounds: tuple[float, float] = DOWN_BACKOFF_S) -> float:
+    """How long an unreachable tier rests after one more failed try (``previous_s`` 0: the first)."""
+    low, high = bounds
+    return min(high, max(low, 2 * previous_s))
+
+
 class Tiering:
     def __init__(
         self,
@@ -142,6 +153,7 @@ class Tiering:
         self._last_cleanup = -1e18
         self._wake = threading.Event()
         self._lock = threading.Lock()
+        self._down: dict[str, tuple[float, float]] = {}  # tier -> (retry at, backoff): unreachable tiers
 
     def keep_on(self, tier: Tier) -> int:
         """Restorable steps kept per rank on ``tier``: the memory tier keeps at most
@@ -195,9 +207,28 @@ class Tiering:
                     except StorageError as exc:
                         log.warning("cleanup of %s failed: %s", self.mem.name, exc)
             for tier in self.durable:
-                self._migrate_to(tier, local, catalog)
+                self._migrate_to(tier, local, catalog, copy=self._reachable(tier, now))
             for tier in self.tiers:
-                self._retain(tier, in_memory if tier is self.mem else local, catalog)
+                if not self._reachable(tier, now):
+                    continue
+                try:
+                    self._retain(tier, in_memory if tier is self.mem else local, catalog)
+                except StorageUnavailable as exc:
+                    self._mark_down(tier, exc)
+                else:
+                    self._down.pop(tier.name, None)
+
+    def _reachable(self, tier: Tier, now: float) -> bool:
+        """False while ``tier`` rests after failing as unreachable (:data:`DOWN_BACKOFF_S`)."""
+        down = self._down.get(tier.name)
+        return down is None or now >= down[0]
+
+    def _mark_down(self, tier: Tier, exc: Exception) -> None:
+        wait = next_backoff(self._down.get(tier.name, (0.0, 0.0))[1])
+        self._down[tier.name] = (self.clock() + wait, wait)
+        self.stats.errors[tier.name] = self.stats.errors.get(tier.name, 0) + 1
+        log.warning("tier %s unreachable, it lags until it is back (next try in %.0fs; other tiers go on): %s",
+                    tier.name, wait, exc)
 
     def _records(self, job: str) -> list[CheckpointRecord] | None:
         from ftd.v1 import checkpoint_pb2
@@ -214,7 +245,10 @@ class Tiering:
         shard = record.shards.get(rank)
         return shard is not None and shard.has_good_copy(CopyRef(tier.name, tier.location))
 
-    def _migrate_to(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Catalog) -> None:
+    def _migrate_to(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Catalog,
+                    copy: bool = True) -> None:
+        """Copies what ``tier`` lacks, newest first (``copy`` False: only the pending count and lag are
+        updated, for a tier resting after being unreachable)."""
         todo = []
         for ident, manifest in local.items():
             record = catalog.get((ident[0], ident[1]))
@@ -225,12 +259,12 @@ class Tiering:
                 todo.append((ident, manifest))
         self.stats.pending[tier.name] = len(todo)
         newest_local = max((s for (_, s, _) in local), default=0)
-        for ident, manifest in sorted(todo, key=lambda t: -t[0][1]):  # newest first: the lag that matters
+        for ident, manifest in sorted(todo, key=lambda t: -t[0][1]) if copy else []:  # newest first
             try:
                 self._copy(self.ssd, tier, manifest)
+                self._down.pop(tier.name, None)
             except StorageUnavailable as exc:
-                self.stats.errors[tier.name] = self.stats.errors.get(tier.name, 0) + 1
-                log.warning("tier %s unreachable, it lags until it is back: %s", tier.name, exc)
+                self._mark_down(tier, exc)
                 break
             except StorageFull as exc:
                 self.stats.errors[tier.name] = self.stats.errors.get(tier.name, 0) + 1

@@ -18,7 +18,14 @@ from ftd.agent.tiering import Tiering, TokenBucket
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef
 from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, shard_prefix
-from ftd.storage_backends.base import AlreadyPublished, ObjectInfo, ObjectNotFound, StorageFull, crc32c_hex
+from ftd.storage_backends.base import (
+    AlreadyPublished,
+    ObjectInfo,
+    ObjectNotFound,
+    StorageFull,
+    StorageUnavailable,
+    crc32c_hex,
+)
 from ftd.storage_backends.tiers import LocalSpec, Tier, TierSpec
 from ftd.v1 import checkpoint_pb2
 
@@ -77,6 +84,8 @@ class MemoryBackend:
         self.objects: dict[str, bytes] = {}
         self.scratch = scratch
         self.full = False
+        self.down = False  # unreachable: every call raises StorageUnavailable (and is counted)
+        self.tries_while_down = 0
         self.cleanups = 0
         self._n = itertools.count()
 
@@ -117,7 +126,13 @@ class MemoryBackend:
         data = self.objects.get(key)
         return None if data is None else ObjectInfo(key, len(data), 0.0, crc32c_hex(data))
 
+    def _reach(self, what: str) -> None:
+        if self.down:
+            self.tries_while_down += 1
+            raise StorageUnavailable(self.name, what, "connect timeout (fake)")
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self._reach(prefix)
         for key in sorted(k for k in self.objects if k.startswith(prefix)):
             yield ObjectInfo(key, len(self.objects[key]), 0.0)
 
@@ -131,14 +146,17 @@ class MemoryBackend:
         return len(doomed)
 
     def stage(self, prefix: str) -> MemoryStaging:
+        self._reach(prefix)
         if self.full:
             raise StorageFull(self.name, prefix, "quota exceeded (fake)")
         return MemoryStaging(self, prefix)
 
     def is_published(self, prefix: str, marker_name: str) -> bool:
+        self._reach(prefix)
         return f"{prefix.rstrip('/')}/{marker_name}" in self.objects
 
     def cleanup(self, prefix: str = "", older_than_s: float = 0.0, **_: Any) -> list[str]:
+        self._reach(prefix)
         self.cleanups += 1
         return []
 
@@ -281,6 +299,40 @@ def test_a_pass_skips_invalid_steps_flags_a_corrupt_source_and_stops_at_a_full_t
     assert catalog.records[(JOB, 2)].shards[0].good_copies() == []
     assert s3.steps() == set() and tiering.stats.errors == {"s3": 1}  # one failure, then the tier waits
     assert tiering.stats.pending["s3"] == 2 and clock.slept == []
+
+
+def test_an_unreachable_tier_rests_while_the_others_go_on(tiers: list[Tier]) -> None:
+    """S3 down: one failed try, then S3 rests (5 s, doubling) while HDD migration and SSD retention go
+    on every pass; the lag is still reported; once S3 answers, the backlog goes newest first."""
+    ssd, hdd, s3 = (backend(t) for t in tiers)
+    catalog, clock = FakeCatalog(), FakeClock()
+    tiering = Tiering(tiers, catalog, keep=3, clock=clock, sleep=clock.sleep)
+    tiering.cleanup_every_s = 1e9  # not the point here
+    save_shard(ssd, catalog, 1, size=100)
+    tiering.pass_once()  # S3 reachable: step 1 everywhere
+    s3.down = True
+    for step in (2, 3, 4, 5):
+        save_shard(ssd, catalog, step, size=100)
+        clock.now += 1.0
+        tiering.pass_once()
+    assert hdd.steps() == {3, 4, 5} and ssd.steps() == {3, 4, 5}  # HDD kept up, SSD retention too
+    assert s3.steps() == {1}
+    assert s3.tries_while_down == 1, "tried once, then resting for 5 s"
+    assert tiering.stats.errors == {"s3": 1} and tiering.stats.lag_steps["s3"] == 5  # none of 3..5 there
+    clock.now += 2.0  # 6 s after the failure: one more try, and the rest doubles to 10 s
+    tiering.pass_once()
+    assert s3.tries_while_down == 2 and tiering.stats.errors == {"s3": 2}
+    clock.now += 5.0
+    tiering.pass_once()
+    assert s3.tries_while_down == 2
+    s3.down = False
+    clock.now += 6.0
+    tiering.pass_once()
+    assert s3.steps() == {3, 4, 5}
+    tiering.pass_once()
+    assert tiering.stats.lag_steps["s3"] == 0  # measured against the catalog as the pass found it
+    s3_copies = [step for step, where, present, _ in catalog.copies if present and where == "s3@s3"]
+    assert s3_copies[1:] == [5, 4, 3]  # after step 1: the backlog newest first
 
 
 def test_without_the_catalog_nothing_is_copied_or_deleted(tiers: list[Tier]) -> None:
