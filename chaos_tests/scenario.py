@@ -232,6 +232,23 @@ class Context:
         return Baseline(time.time(), seq, self.restorable_step(), frozenset(self.valid_steps()), self.step(),
                         tuple(status.world), tuple(status.spares))
 
+    def settled_checkpoints(self, timeout_s: float = 20.0, quiet_s: float = 1.0) -> list[Any]:
+        """The catalog once it stopped changing for ``quiet_s`` (with the job's workers frozen, a
+        commit or a migration already in flight still lands: wait for it); bounded by ``timeout_s``."""
+        def shape() -> tuple[Any, ...]:
+            return tuple((c.step, c.valid, tuple(sorted(c.on_tier.items()))) for c in self.checkpoints())
+
+        last, since = shape(), time.monotonic()
+        end = since + timeout_s
+        while time.monotonic() < end:
+            time.sleep(0.2)
+            now = shape()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+        return self.checkpoints()
+
     def wait_world_without(self, nodes: set[str], timeout_s: float) -> list[str]:
         """A committed world of the same size that holds none of ``nodes``."""
         size = self.shape.nodes

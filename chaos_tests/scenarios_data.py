@@ -63,7 +63,8 @@ def crash_mid_save(ctx: Context) -> Outcome:
     workers = [p for n in ctx.world() for p in ctx.worker_pids(n)]
     _freeze(workers, signal.SIGSTOP)  # no save and no retention while the valid steps are re-read
     try:
-        verified = verify_steps(ctx, sorted(ctx.valid_steps())[-3:])
+        settled = ctx.settled_checkpoints()  # a commit already in flight lands first
+        verified = verify_steps(ctx, sorted(c.step for c in settled if c.valid)[-3:])
     finally:
         _freeze(workers, signal.SIGCONT)
     checks = [Check("save_crashed", fired, "a worker died at the failpoint " + FAILPOINT if fired
@@ -89,12 +90,12 @@ def corrupt_shard(ctx: Context) -> Outcome:
     frozen = [p for pids in workers.values() for p in pids]
     _freeze(frozen, signal.SIGSTOP)  # no new saves: the newest valid step stays the target
     try:
-        def on_both() -> int | None:
-            info = [c for c in ctx.checkpoints() if c.valid]
+        def on_both() -> int | None:  # the newest valid step, on the HDD too, once nothing changes
+            info = [c for c in ctx.settled_checkpoints() if c.valid]
             newest = max(info, key=lambda c: c.step) if info else None
             return newest.step if newest is not None and newest.on_tier.get("hdd") else None
 
-        step = int(wait_for(on_both, 30.0, "the newest valid step on SSD and HDD", interval_s=0.2))
+        step = int(wait_for(on_both, 45.0, "the newest valid step on SSD and HDD", interval_s=0.2))
         b = ctx.baseline()
         rank = b.world.index(victim)
         target = _corrupt(ctx, victim, step, rank)
