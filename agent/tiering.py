@@ -247,16 +247,26 @@ class Tiering:
 
     def _migrate_to(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Catalog,
                     copy: bool = True) -> None:
-        """Copies what ``tier`` lacks, newest first (``copy`` False: only the pending count and lag are
-        updated, for a tier resting after being unreachable)."""
-        todo = []
+        """Copies what ``tier`` lacks, newest first, and only the steps its retention would keep: per
+        (job, rank) the newest ``keep_on(tier)`` restorable ones and any newer step in progress (a
+        backlog after an outage is not uploaded to be deleted at once). ``copy`` False: only the
+        pending count and the lag are updated, for a tier resting after being unreachable."""
+        eligible: dict[tuple[str, int], list[tuple[ShardId, ShardManifest]]] = {}
         for ident, manifest in local.items():
             record = catalog.get((ident[0], ident[1]))
             # Committed by this rank and not invalidated (a step still in progress is copied too).
             if record is None or record.invalid_reason or ident[2] not in record.shards:
                 continue
-            if not self._has_copy(record, ident[2], tier):
-                todo.append((ident, manifest))
+            eligible.setdefault((ident[0], ident[2]), []).append((ident, manifest))
+        todo = []
+        for shards in eligible.values():
+            # From the keep-th newest restorable step on (steps in progress newer than it included).
+            restorable = sorted((i[1] for i, _ in shards if catalog[(i[0], i[1])].restorable), reverse=True)
+            floor = restorable[self.keep_on(tier) - 1] if len(restorable) >= self.keep_on(tier) else -1
+            for ident, manifest in shards:
+                record = catalog[(ident[0], ident[1])]
+                if ident[1] >= floor and not self._has_copy(record, ident[2], tier):
+                    todo.append((ident, manifest))
         self.stats.pending[tier.name] = len(todo)
         newest_local = max((s for (_, s, _) in local), default=0)
         for ident, manifest in sorted(todo, key=lambda t: -t[0][1]) if copy else []:  # newest first

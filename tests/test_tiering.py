@@ -256,7 +256,8 @@ def test_one_pass_copies_newest_first_records_every_copy_and_keeps_the_newest_th
     tiering.pass_once()
 
     copied = [(step, where) for step, where, present, _ in catalog.copies if present]
-    assert copied == [(s, "hdd@shared") for s in (5, 4, 3, 2, 1)] + [(s, "s3@s3") for s in (5, 4, 3, 2, 1)]
+    # Only what retention keeps (the newest three) is copied: steps 1 and 2 never leave the SSD.
+    assert copied == [(s, "hdd@shared") for s in (5, 4, 3)] + [(s, "s3@s3") for s in (5, 4, 3)]
     assert ssd.steps() == hdd.steps() == s3.steps() == {3, 4, 5}
     for step in (3, 4, 5):
         key = f"{shard_prefix(JOB, step, 0)}/state.pt"
@@ -268,12 +269,12 @@ def test_one_pass_copies_newest_first_records_every_copy_and_keeps_the_newest_th
     for step in (1, 2):  # retention removed these everywhere and said so
         assert not catalog.records[(JOB, step)].shards[0].copies
     st = tiering.stats
-    assert (st.migrations, st.deleted) == ({"hdd": 5, "s3": 5}, {"ssd": 2, "hdd": 2, "s3": 2})
+    assert (st.migrations, st.deleted) == ({"hdd": 3, "s3": 3}, {"ssd": 2})
     assert st.pending == {"hdd": 0, "s3": 0} and st.errors == {}
     assert st.last_valid_step == {JOB: 5}
     assert hdd.cleanups == s3.cleanups == 1
-    # 10 MiB at 2 MiB/s, the first MiB of burst free: the pass waited exactly the rest, never more.
-    assert sum(clock.slept) == pytest.approx((10 * MiB - tiering.bucket.burst) / rate)
+    # 6 MiB at 2 MiB/s, the first MiB of burst free: the pass waited exactly the rest, never more.
+    assert sum(clock.slept) == pytest.approx((6 * MiB - tiering.bucket.burst) / rate)
 
     catalog.copies.clear()
     tiering.pass_once()  # nothing left to do
