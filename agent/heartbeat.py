@@ -69,7 +69,8 @@ class Session:
         self.on_response = on_response  # every answer (pending hand-overs ride on them)
         self.incarnation = uuid.uuid4().hex
         self.assignment = cluster_pb2.Assignment(rank=-1)
-        self.connected = False
+        self._connected = False
+        self._since = time.monotonic()  # when ``connected`` last changed
         self.reconnects = 0
         self.leader_address = ""
         self._registered = False
@@ -104,6 +105,20 @@ class Session:
         call = self._call
         if call is not None:
             call.cancel()
+
+    @property
+    def connected(self) -> bool:
+        """A leader answers this node's heartbeat stream now."""
+        return self._connected
+
+    @connected.setter
+    def connected(self, up: bool) -> None:
+        if up != self._connected:
+            self._connected, self._since = up, time.monotonic()
+
+    def disconnected_for(self) -> float:
+        """Seconds without a leader answering (0 while connected)."""
+        return 0.0 if self._connected else time.monotonic() - self._since
 
     def _before_retry(self, state: RetryCallState) -> None:
         self.connected = False

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ftd.agent")
 # The save-failure kinds that become metric labels; anything else a client sends counts as "other".
 FAILURE_KINDS = frozenset({"disk_full", "memory_full", "io", "error", "checksum", "timeout", "agent"})
+# Without a leader for longer than this, a durable commit fails at once: a failover takes a few seconds,
+# an etcd outage longer, and waiting out the deadline of a commit that can only fail stalls the training.
+DURABLE_COMMIT_GRACE_S = 5.0
 
 
 def bearer_token(context: grpc.ServicerContext) -> str:
@@ -211,9 +214,10 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             request.tier = "ssd"
         if not request.location:
             request.location = self.daemon.node_id if request.tier != "s3" else "s3"
-        if request.tier == "mem":
-            self._need_leader(context, f"memory snapshot of step {request.manifest.step} (rank "
-                                       f"{request.manifest.rank})")
+        what = f"step {request.manifest.step} (rank {request.manifest.rank}) on {request.tier}"
+        # A memory snapshot is never waited for without a leader; a durable commit rides out a
+        # failover (a few seconds) but not an outage, where it could only time out.
+        self._need_leader(context, what, 0.0 if request.tier == "mem" else DURABLE_COMMIT_GRACE_S)
         response = self._forward("CommitShard", request, context)
         if request.tier == "mem" and self.daemon.replicator is not None:  # to the buddy, in the background
             m = request.manifest
@@ -222,13 +226,16 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             self.daemon.tiering.notify()
         return response  # type: ignore[no-any-return]
 
-    def _need_leader(self, context: grpc.ServicerContext, what: str) -> None:
-        """Memory-tier bookkeeping happens every step from the training's save path: while no leader
-        can record it (etcd down, a failover), waiting out the client's deadline would stall the next
-        snapshot behind this one, so it fails at once (the next step's snapshot records again)."""
-        if not self.daemon.session.connected:
+    def _need_leader(self, context: grpc.ServicerContext, what: str, grace_s: float = 0.0) -> None:
+        """Checkpoint bookkeeping runs in the training's save path: while no leader can record it
+        (etcd down) waiting out the client's deadline would stall the next save behind this one, so it
+        fails at once once the node has been without a leader for ``grace_s`` (memory snapshots: at
+        once, the next step records again)."""
+        away = self.daemon.session.disconnected_for()
+        if away > grace_s or (grace_s == 0.0 and not self.daemon.session.connected):
             context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"node {self.daemon.node_id} has no coordinator leader connected now: {what} not recorded")
+                          f"node {self.daemon.node_id} has had no coordinator leader for {away:.1f}s: {what} not "
+                          f"recorded")
 
     def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,
                    context: grpc.ServicerContext) -> checkpoint_pb2.RecordCopyResponse:

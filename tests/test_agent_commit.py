@@ -35,9 +35,10 @@ class Client:
         return checkpoint_pb2.CommitShardResponse(message="recorded")
 
 
-def service(connected: bool) -> tuple[AgentService, Client]:
+def service(connected: bool, away_s: float = 0.0) -> tuple[AgentService, Client]:
     client = Client()
-    daemon = SimpleNamespace(node_id="node-0", session=SimpleNamespace(connected=connected), client=client,
+    session = SimpleNamespace(connected=connected, disconnected_for=lambda: 0.0 if connected else away_s)
+    daemon = SimpleNamespace(node_id="node-0", session=session, client=client,
                              replicator=None, tiering=SimpleNamespace(notify=lambda: None))
     return AgentService(daemon), client  # type: ignore[arg-type]
 
@@ -54,15 +55,24 @@ def test_a_memory_commit_without_a_leader_fails_fast_naming_the_snapshot() -> No
         svc.CommitShard(request("mem"), ctx)  # type: ignore[arg-type]
     assert time.monotonic() - started < 0.5
     assert ctx.code is grpc.StatusCode.UNAVAILABLE
-    assert "node-0 has no coordinator leader" in ctx.details and "step 7 (rank 1)" in ctx.details
+    assert "node-0 has had no coordinator leader" in ctx.details and "step 7 (rank 1) on mem" in ctx.details
     assert client.calls == []
     with pytest.raises(Aborted):
         svc.RecordCopy(checkpoint_pb2.RecordCopyRequest(job="j", step=5, rank=1, tier="mem"), ctx)  # type: ignore[arg-type]
     assert "memory copy of step 5 (rank 1) not recorded" in ctx.details and client.calls == []
 
 
+def test_a_durable_commit_rides_out_a_failover_but_not_an_outage() -> None:
+    svc, client = service(connected=False, away_s=30.0)
+    ctx = Context()
+    with pytest.raises(Aborted):
+        svc.CommitShard(request("ssd"), ctx)  # type: ignore[arg-type]
+    assert "no coordinator leader for 30.0s: step 7 (rank 1) on ssd not recorded" in ctx.details
+    assert client.calls == []
+
+
 def test_durable_commits_and_connected_memory_commits_are_forwarded() -> None:
-    svc, client = service(connected=False)
+    svc, client = service(connected=False, away_s=1.0)  # a failover under way: worth the wait
     assert svc.CommitShard(request("ssd"), Context()).message == "recorded"  # type: ignore[arg-type]
     svc, client2 = service(connected=True)
     assert svc.CommitShard(request("mem"), Context()).message == "recorded"  # type: ignore[arg-type]
