@@ -12,8 +12,10 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from ftd.ftctl.etcd_server import EtcdCluster
@@ -91,6 +93,31 @@ class EtcdOutage:
                 self.cluster._spawn(self.cluster.members[i], "existing")
         if not self.cluster.wait_healthy(30.0):
             raise RuntimeError("etcd did not come back after the outage")
+
+
+def signal_all(pids: Iterable[int], sig: int) -> None:
+    """Sends ``sig`` to each of ``pids`` (processes the test started); one already gone is skipped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (a killed child stays one until its parent reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def still_running(pids: Iterable[int], timeout_s: float) -> list[int]:
+    """The pids still running after waiting up to ``timeout_s`` for them all to go (empty: all gone)."""
+    pids = list(pids)
+    end = time.monotonic() + timeout_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < end:
+        time.sleep(0.1)
+    return left
 
 
 _BURN = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"

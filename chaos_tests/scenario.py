@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ftd import netlab
 from ftd.coordinator.client import CoordinatorClient
@@ -94,6 +94,17 @@ class Scenario:
     # SSD tier will be. Mounts made here live in that process's mount namespace (``ip netns exec``
     # gives it one), which the cluster's processes inherit and which vanishes with them.
     prepare: Callable[[Path], None] | None = None
+
+
+T = TypeVar("T")
+
+
+def within(condition: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.2) -> T | None:
+    """:func:`ftd.testing.wait_for`, but ``None`` on a timeout (the caller turns it into a failed check)."""
+    try:
+        return wait_for(condition, timeout_s, what, interval_s=interval_s)
+    except Timeout:
+        return None
 
 
 class Context:
@@ -188,6 +199,10 @@ class Context:
                 with contextlib.suppress(json.JSONDecodeError):  # a line cut by a SIGKILL
                     lines.append(json.loads(line))
         return sorted(lines, key=lambda r: float(r["t"]))
+
+    def starts_since(self, t: float) -> list[dict[str, Any]]:
+        """The job log's ``start`` lines (a rank (re)starting, with the step it restored) after ``t``."""
+        return [r for r in self.records() if r.get("event") == "start" and float(r["t"]) > t]
 
     def step(self) -> int:
         return max((int(r["step"]) for r in self.records() if r.get("event") == "step"), default=-1)

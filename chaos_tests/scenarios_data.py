@@ -3,7 +3,6 @@ Both run the job with durable checkpoints only (no memory tier), so the restore 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 from ftd.checkpoints.layout import MANIFEST, shard_prefix
 from ftd.testing import Timeout, wait_for
 
+from .faults import signal_all
 from .invariants import Check
 from .scenario import JOB, Context, Outcome, Scenario, Shape
 from .scenarios_process import RECOVER_S
@@ -32,10 +32,6 @@ def verify_steps(ctx: Context, steps: list[int]) -> Check:
             bad.append(f"step {step}: exit {res.returncode} {res.stdout[-300:]} {res.stderr[-300:]}")
     return Check("valid_steps_verify", bool(steps) and not bad,
                  f"ftctl checkpoints verify passed on steps {steps}" if not bad else "; ".join(bad))
-
-
-def _restarted(ctx: Context, since: float) -> list[dict[str, object]]:
-    return [r for r in ctx.records() if r.get("event") == "start" and float(r["t"]) > since]  # type: ignore[arg-type]
 
 
 def arm_failpoint(workdir: Path) -> None:
@@ -58,25 +54,19 @@ def crash_mid_save(ctx: Context) -> Outcome:
         wait_for(lambda: not trigger.exists(), 30.0, "a save reaching the armed failpoint", interval_s=0.05)
     except Timeout:
         fired = False
-    starts = wait_for(lambda: _restarted(ctx, b.at_unix_s), RECOVER_S, "the round restarted after the crash")
+    starts = wait_for(lambda: ctx.starts_since(b.at_unix_s), RECOVER_S, "the round restarted after the crash")
     ctx.wait_progress(15, RECOVER_S)
     workers = [p for n in ctx.world() for p in ctx.worker_pids(n)]
-    _freeze(workers, signal.SIGSTOP)  # no save and no retention while the valid steps are re-read
+    signal_all(workers, signal.SIGSTOP)  # no save and no retention while the valid steps are re-read
     try:
         settled = ctx.settled_checkpoints()  # a commit already in flight lands first
         verified = verify_steps(ctx, sorted(c.step for c in settled if c.valid)[-3:])
     finally:
-        _freeze(workers, signal.SIGCONT)
+        signal_all(workers, signal.SIGCONT)
     checks = [Check("save_crashed", fired, "a worker died at the failpoint " + FAILPOINT if fired
                     else "no save reached the failpoint"), verified]
     return Outcome(b, frozenset(), f"a rank killed at {FAILPOINT}; {len(starts)} rank(s) restarted from step "
-                                   f"{min(int(str(r['restored_step'])) for r in starts)}", checks)
-
-
-def _freeze(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+                                   f"{min(int(r['restored_step']) for r in starts)}", checks)
 
 
 def corrupt_shard(ctx: Context) -> Outcome:
@@ -88,7 +78,7 @@ def corrupt_shard(ctx: Context) -> Outcome:
     victim = b0.world[0]
     workers = {n: ctx.worker_pids(n) for n in b0.world}
     frozen = [p for pids in workers.values() for p in pids]
-    _freeze(frozen, signal.SIGSTOP)  # no new saves: the newest valid step stays the target
+    signal_all(frozen, signal.SIGSTOP)  # no new saves: the newest valid step stays the target
     try:
         def on_both() -> int | None:  # the newest valid step, on the HDD too, once nothing changes
             info = [c for c in ctx.settled_checkpoints() if c.valid]
@@ -99,15 +89,15 @@ def corrupt_shard(ctx: Context) -> Outcome:
         b = ctx.baseline()
         rank = b.world.index(victim)
         target = _corrupt(ctx, victim, step, rank)
-        _freeze(workers[victim][:1], signal.SIGKILL)
+        signal_all(workers[victim][:1], signal.SIGKILL)
     finally:
-        _freeze(frozen, signal.SIGCONT)
-    starts = wait_for(lambda: _restarted(ctx, b.at_unix_s), RECOVER_S, "the round restarted")
+        signal_all(frozen, signal.SIGCONT)
+    starts = wait_for(lambda: ctx.starts_since(b.at_unix_s), RECOVER_S, "the round restarted")
     ctx.wait_progress(10, RECOVER_S)
     info = next((c for c in ctx.checkpoints() if c.step == step), None)
     marked = {k: v for s in (info.shards if info else []) for k, v in s.bad.items()}
     sources = sorted({f"{r.get('node')}: {r.get('restored_from')}" for r in starts})
-    restored = {int(str(r["restored_step"])) for r in starts}
+    restored = {int(r["restored_step"]) for r in starts}
     checks = [
         Check("corrupt_copy_recorded", any(k.startswith("ssd@") for k in marked),
               f"step {step}: bad copies {marked}" if marked else f"step {step}: no copy recorded corrupt"),

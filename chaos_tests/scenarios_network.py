@@ -6,48 +6,21 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
 from ftd.agent.rtt import RTT_BUCKETS
 from ftd.ftctl import isolated
-from ftd.testing import Timeout, wait_for
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import promql_check
+from .faults import still_running
 from .invariants import Check
-from .scenario import JOB, Context, Outcome, Scenario, Shape
+from .scenario import JOB, Context, Outcome, Scenario, Shape, within
 from .scenarios_process import RECOVER_S, promoted
-
-T = TypeVar("T")
-
-
-def _within(condition: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.2) -> T | None:
-    """:func:`wait_for`, but ``None`` on a timeout (the caller turns it into a failed check)."""
-    try:
-        return wait_for(condition, timeout_s, what, interval_s=interval_s)
-    except Timeout:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    """Running and not a zombie process (a killed child stays one until its parent reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _gone(pids: Iterable[int], timeout_s: float) -> list[int]:
-    """The pids still running after ``timeout_s`` (empty: all gone in time)."""
-    pids = list(pids)
-    _within(lambda: not [p for p in pids if _alive(p)], timeout_s, f"processes {pids} gone", interval_s=0.1)
-    return [p for p in pids if _alive(p)]
 
 
 def _death_at(ctx: Context, node: str, after_seq: int) -> float | None:
@@ -143,14 +116,14 @@ def zombie(ctx: Context) -> Outcome:
                     f"{time.time() - healed_at:.1f}s after the heal")
         return None
 
-    back = _within(spare_again, RECOVER_S, f"{victim} back as an alive spare")
+    back = within(spare_again, RECOVER_S, f"{victim} back as an alive spare")
     if back is None:
         info = _node(ctx, victim)
         back_detail = (f"not a spare {RECOVER_S:g}s after the heal: " +
                        (f"role {cluster_pb2.Role.Name(info.role)}, state {cluster_pb2.NodeState.Name(info.state)}, "
                         f"rank {info.rank}, reason {info.state_reason!r}" if info is not None else "not listed"))
     checks.append(Check("zombie_back_as_spare", back is not None, back if back is not None else back_detail))
-    still = _gone(old_workers, 30.0)
+    still = still_running(old_workers, 30.0)
     checks.append(Check("zombie_workers_stopped", bool(old_workers) and not still,
                         f"old workers {old_workers} " + (f"still run: {still}" if still else "stopped")))
     ctx.wait_progress(10, RECOVER_S)
@@ -172,7 +145,7 @@ def zombie(ctx: Context) -> Outcome:
                         f"{victim} logged steps {zombie_steps[:5]} after it was declared dead" if zombie_steps else
                         f"{victim} logged no step after it was declared dead"))
     restarts = sorted({(str(r["node"]), int(r["restored_step"]), str(r.get("restored_from", "")))
-                       for r in ctx.records() if r.get("event") == "start" and float(r["t"]) > b.at_unix_s})
+                       for r in ctx.starts_since(b.at_unix_s)})
     return Outcome(b, frozenset({victim}), f"{victim} ({host.address}) cut off until replaced (epoch "
                    f"{epoch_before} -> {epoch_after}), then healed; {back or 'not back as a spare'}; restore "
                    f"target once replaced: {target}; restarts (node, restored step, from): {restarts}", checks)
@@ -223,20 +196,20 @@ def leader_etcd_partition(ctx: Context) -> Outcome:
             status = ctx.status()
             return status if status.leader_id in others else None
 
-        new_status = _within(taken_over, 30.0, f"a leader other than {old}", interval_s=0.1)
+        new_status = within(taken_over, 30.0, f"a leader other than {old}", interval_s=0.1)
         took = time.time() - cut_at
         new = str(new_status.leader_id) if new_status is not None else ""
         checks = [Check("standby_took_over", new_status is not None,
                         f"{new} leads {took:.1f}s after {old} was cut off from {[h.name for h in etcd_hosts]}"
                         if new_status is not None else "no other replica led within 30s of the cut")]
-        stopped = _within(lambda: _is_leader(metrics[old]) == 0, 15.0, f"{old} not leading")
+        stopped = within(lambda: _is_leader(metrics[old]) == 0, 15.0, f"{old} not leading")
         why = [line.split("] ", 1)[-1] for line in _log_since(log_path, offset).splitlines()
                if "suspending leadership" in line or "stepping down" in line][:1]
         checks.append(Check("old_leader_stopped", bool(stopped),
                             f"{old}: ftd_coordinator_is_leader 0 while cut off ({'; '.join(why) or 'no log line'})"
                             if stopped else f"{old} still reports ftd_coordinator_is_leader "
                                             f"{_is_leader(metrics[old])} while cut off from etcd"))
-        progressed = _within(lambda: ctx.step() >= b.step + 20 and ctx.step(), RECOVER_S, "training on")
+        progressed = within(lambda: ctx.step() >= b.step + 20 and ctx.step(), RECOVER_S, "training on")
         checks.append(Check("training_continued", bool(progressed),
                             f"training reached step {ctx.step()} (from {b.step}) under the new leader"))
     finally:
@@ -244,7 +217,7 @@ def leader_etcd_partition(ctx: Context) -> Outcome:
             ctx.lab.heal(etcd)
         ctx.lab.heal(old_host)
     healed_at, heal_offset = time.time(), log_path.stat().st_size
-    following = _within(lambda: f"following leader {new}" in _log_since(log_path, heal_offset)
+    following = within(lambda: f"following leader {new}" in _log_since(log_path, heal_offset)
                         and _is_leader(metrics[old]) == 0, 30.0, f"{old} following {new}")
     after = ctx.status()
     checks.append(Check("old_leader_back_as_standby", bool(following) and after.leader_id == new,
@@ -305,7 +278,7 @@ def _window(ctx: Context, links: Iterable[tuple[str, str]], probes: int,
                     for k in links)
         return now if grown else None
 
-    last = _within(enough, timeout_s, f"{probes} RTT probes on {links}", interval_s=0.5) or _rtt_series(ctx)
+    last = within(enough, timeout_s, f"{probes} RTT probes on {links}", interval_s=0.5) or _rtt_series(ctx)
     seconds = time.monotonic() - started
     return {k: promql_check.delta(first.get(k, {}), v) for k, v in last.items()}, seconds
 
@@ -336,7 +309,7 @@ def latency(ctx: Context) -> Outcome:
         slow = [k for k in series if victim in k and promql_check.count(series[k]) > 0]
         return slow if any(k[0] != victim for k in slow) and any(k[0] == victim for k in slow) else None
 
-    slow = _within(links_present, 30.0, f"RTT series to and from {victim}", interval_s=0.5)
+    slow = within(links_present, 30.0, f"RTT series to and from {victim}", interval_s=0.5)
     if slow is None:
         return Outcome(b, frozenset(), f"no RTT series to and from {victim} within 30s: {sorted(_rtt_series(ctx))}",
                        [Check("rtt_series_exported", False, f"series: {sorted(_rtt_series(ctx))}")])
@@ -345,7 +318,7 @@ def latency(ctx: Context) -> Outcome:
     delayed_at = time.time()
     try:
         during, during_s = _window(ctx, slow, 8, 30.0)
-        progressed = _within(lambda: ctx.step() >= b.step + 10 and ctx.step(), RECOVER_S, "training on")
+        progressed = within(lambda: ctx.step() >= b.step + 10 and ctx.step(), RECOVER_S, "training on")
         step_during = ctx.step()
     finally:
         ctx.lab.clear_delay(host)

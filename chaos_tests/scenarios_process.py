@@ -3,49 +3,24 @@ node frozen by SIGSTOP, and the restore of a node-local job on a spare."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 from collections.abc import Iterable
-from pathlib import Path
 
 from ftd.agent.buddy import Peer, choose_buddy
-from ftd.testing import Timeout, wait_for
+from ftd.testing import wait_for
 
+from .faults import signal_all, still_running
 from .invariants import Check
 from .scenario import Context, Outcome, Scenario, Shape
 
 RECOVER_S = 60.0
 
 
-def _signal(pids: Iterable[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def _gone(pids: Iterable[int], timeout_s: float) -> bool:
-    pids = list(pids)
-    try:
-        wait_for(lambda: not [p for p in pids if _alive(p)], timeout_s, f"processes {pids} gone", interval_s=0.1)
-    except Timeout:
-        return False
-    return True
-
-
-def _alive(pid: int) -> bool:
-    """Running and not a zombie (a killed child of a live agent stays a zombie until reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def kill_node(ctx: Context, node: str) -> list[int]:
     """A node lost at once: its agent and every training process SIGKILLed (power cut)."""
     pids = [ctx.agent(node).pid, *ctx.worker_pids(node)]
-    _signal(pids, signal.SIGKILL)
+    signal_all(pids, signal.SIGKILL)
     return pids
 
 
@@ -64,7 +39,7 @@ def agent_kill(ctx: Context) -> Outcome:
     workers = ctx.worker_pids(victim)
     os.kill(ctx.agent(victim).pid, signal.SIGKILL)
     checks = [promoted(ctx, {victim}, b.spares)]
-    orphans_gone = _gone(workers, 20.0)
+    orphans_gone = not still_running(workers, 20.0)
     checks.append(Check("orphan_workers_exit", orphans_gone,
                         f"the dead agent's workers {workers} {'exited' if orphans_gone else 'still run'}"))
     ctx.wait_progress(10, RECOVER_S)
@@ -77,8 +52,8 @@ def worker_kill(ctx: Context) -> Outcome:
     b = ctx.baseline()
     victim = b.world[0]
     pids = ctx.worker_pids(victim)
-    _signal(pids[:1], signal.SIGKILL)
-    restarted = wait_for(lambda: [r for r in ctx.records() if r.get("event") == "start" and r["t"] > b.at_unix_s],
+    signal_all(pids[:1], signal.SIGKILL)
+    restarted = wait_for(lambda: ctx.starts_since(b.at_unix_s),
                          RECOVER_S, "a restarted round")
     ctx.wait_progress(10, RECOVER_S)
     world = ctx.world()
@@ -92,14 +67,14 @@ def node_hang(ctx: Context) -> Outcome:
     b = ctx.baseline()
     victim = b.world[-1]
     pids = [ctx.agent(victim).pid, *ctx.worker_pids(victim)]
-    _signal(pids, signal.SIGSTOP)
+    signal_all(pids, signal.SIGSTOP)
     try:
         checks = [promoted(ctx, {victim}, b.spares)]
         ctx.wait_progress(10, RECOVER_S)
     finally:
-        _signal(pids, signal.SIGCONT)
+        signal_all(pids, signal.SIGCONT)
     old_workers = pids[1:]
-    exited = _gone(old_workers, 30.0)
+    exited = not still_running(old_workers, 30.0)
     checks.append(Check("thawed_workers_stopped", exited,
                         f"the frozen node's old workers {old_workers} {'stopped' if exited else 'still run'}"))
     ctx.wait_progress(10, RECOVER_S)
@@ -138,7 +113,7 @@ def spare_restore_node_local(ctx: Context) -> Outcome:
     kill_node(ctx, victim)
     checks = [promoted(ctx, {victim}, b.spares)]
     ctx.wait_progress(10, RECOVER_S)
-    starts = [r for r in ctx.records() if r.get("event") == "start" and r["t"] > b.at_unix_s]
+    starts = ctx.starts_since(b.at_unix_s)
     low = min((int(r["restored_step"]) for r in starts), default=-1)
     sources = sorted({str(r.get("restored_from", "")) for r in starts})
     checks.append(Check("resumed_from_a_checkpoint", bool(starts) and low >= 0,

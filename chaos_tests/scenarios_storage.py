@@ -14,6 +14,7 @@ from ftd.testing import Timeout, wait_for
 from ftd.v1 import checkpoint_pb2, coordinator_pb2
 
 from . import storage_lab
+from .faults import alive
 from .invariants import Check
 from .observe import watch
 from .scenario import Context, Outcome, Scenario, Shape
@@ -121,7 +122,7 @@ def etcd_member_kill(ctx: Context) -> Outcome:
         durable = _wait_checkpoint(ctx, _after(step_at_kill, "ssd"), RECOVER_S,
                                    "a durable checkpoint newer than the kill")
         target = ctx.restorable_step()
-        still_down = not storage_lab._alive(pid) and not etcd.healthy(victim)
+        still_down = not alive(pid) and not etcd.healthy(victim)
         checks.append(Check("commits_during_fault", restorable is not None and durable is not None
                             and target > step_at_kill and still_down,
                             f"killed at step {step_at_kill}; while etcd{victim} was down: newest valid step "

@@ -30,16 +30,8 @@ from ftd.ftctl.etcd_server import EtcdMember
 from ftd.rpc import client_credentials
 from ftd.testing import wait_for
 
+from .faults import alive
 from .scenario import Context
-
-
-def _alive(pid: int) -> bool:
-    """Running and not a zombie (a killed child stays a zombie until reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _reap(pid: int) -> None:
@@ -124,7 +116,7 @@ class LabEtcdMembers:
         os.kill(pid, signal.SIGKILL)
         def gone() -> bool:
             _reap(pid)
-            return not _alive(pid)
+            return not alive(pid)
 
         wait_for(gone, timeout_s, f"etcd member {i} (pid {pid}) gone",
                  interval_s=0.05)
