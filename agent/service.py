@@ -232,7 +232,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         fails at once once the node has been without a leader for ``grace_s`` (memory snapshots: at
         once, the next step records again)."""
         away = self.daemon.session.disconnected_for()
-        if away > grace_s or (grace_s == 0.0 and not self.daemon.session.connected):
+        if not self.daemon.session.connected and away >= grace_s:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"node {self.daemon.node_id} has had no coordinator leader for {away:.1f}s: {what} not "
                           f"recorded")
