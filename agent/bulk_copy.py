@@ -12,14 +12,16 @@ speed. So the holder's agent offers the copy (the ``OpenShard`` RPC, over mTLS, 
   the transfer id as associated data. The receiver knows every file's size from the answer, so a
   record that is missing, reordered, truncated, replayed from another transfer or altered fails its
   tag; the key never crossed the wire in clear (the answer came over mTLS), so the bytes are as
-  private and as authenticated as on the gRPC path. AES-GCM runs at 7-9 GB/s a core here and
-  releases the GIL. The copy is CPU-bound on loopback (the cipher, two socket copies, the landing
-  in fresh tmpfs pages): the holder seals and sends in one thread, straight from the file's pages;
-  the receiver opens each record in place as it arrives and a second thread writes it into the
-  file;
-* the sender checks each file's CRC32C against its own manifest as it reads (a copy corrupt at rest
-  is refused: ``on_corrupt``), the receiver checks it against the catalog's (``expected``) as the
-  bytes land, and a file appears under its name only once it matched.
+  private and as authenticated as on the gRPC path. AES-GCM runs at 8-9 GB/s a core here and
+  releases the GIL. The copy is CPU-bound on loopback (the cipher on both ends, two socket copies,
+  the landing): the holder seals and sends in one thread, straight from the file's pages; the
+  receiver opens each record in place as it arrives, in the slot of the landing reserve prepared
+  for it (:mod:`.landing`), else in a buffer that a second thread writes into the file;
+* the receiver checks every file's CRC32C (the catalog's, ``expected``, else the holder's manifest's)
+  on the plaintext as it lands, still in cache, and a file appears under its name only once it
+  matched. The holder does not hash what it sends (that pass cost the sender, the slower end, a
+  tenth of its time): a copy corrupt at rest fails the receiver's check, and the caller's fallback,
+  the ``ReadShard`` stream, checks the holder's copy there and has the holder record it corrupt.
 
 Any failure here is a :class:`BulkError`; the caller falls back to the ``ReadShard`` stream.
 """
@@ -48,6 +50,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ftd.checkpoints.layout import MANIFEST, ManifestError, ShardManifest, shard_prefix
 from ftd.storage_backends.base import StorageBackend
 
+from .landing import Slot
+
 log = logging.getLogger("ftd.agent.bulk_copy")
 CHUNK_BYTES = 1 << 20  # per record: measured a little faster than 4 MiB (the buffers stay in cache)
 OFFER_TTL_S = 60.0
@@ -73,7 +77,7 @@ class OfferedFile:
     name: str
     path: Path
     size: int
-    crc32c: str  # from the holder's manifest ("" for the manifest itself)
+    crc32c: str  # from the holder's manifest ("" for the manifest itself): what the receiver checks without a catalog
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,6 @@ class Offer:
     key: bytes
     files: tuple[OfferedFile, ...]
     expires: float
-    on_corrupt: Callable[[str], None] | None = None
 
 
 def shard_files(backend: StorageBackend, job: str, step: int, rank: int) -> list[OfferedFile]:
@@ -140,12 +143,12 @@ class BulkServer:
         self._sock: socket.socket | None = None
         self._closed = False
 
-    def offer(self, files: Sequence[OfferedFile], on_corrupt: Callable[[str], None] | None = None) -> tuple[int, Offer]:
+    def offer(self, files: Sequence[OfferedFile]) -> tuple[int, Offer]:
         """Registers one copy; returns the port and the offer (its transfer id and key for the answer)."""
         port = self._listen()
         now = self.clock()
         offer = Offer(secrets.token_bytes(_ID_BYTES), AESGCM.generate_key(bit_length=128), tuple(files),
-                      now + OFFER_TTL_S, on_corrupt)
+                      now + OFFER_TTL_S)
         with self._lock:
             for tid in [t for t, o in self._offers.items() if o.expires < now]:
                 del self._offers[tid]
@@ -197,23 +200,16 @@ class BulkServer:
 
 
 def _send(conn: socket.socket, offer: Offer, chunk: int) -> None:
-    """Checks and seals each record straight from the file's pages into one reused buffer, then
-    sends it: one thread (the copy is CPU-bound; handing records between threads cost more CPU than
-    it overlapped, and the receiver's two threads keep the other cores busy)."""
+    """Seals each record straight from the file's pages into one reused buffer, then sends it: one
+    thread (the copy is CPU-bound; handing records to a sending thread cost more CPU than it
+    overlapped, measured with bench/checkpoint.py)."""
     out = bytearray(chunk + TAG)
     for index, f in enumerate(offer.files):
-        crc = 0
         with _mapped(f.path, f.size) as data:
             if len(data) != f.size:
                 raise BulkError(f"{f.path}: {len(data)} bytes, not the {f.size} offered")
             for record, length in _records(f.size, chunk):
                 with data[record * chunk:record * chunk + length] as piece:
-                    crc = _crc32c.crc32c(piece, crc)
-                    if _last(record, f.size, chunk) and f.crc32c and f"{crc:08x}" != f.crc32c:
-                        why = f"{f.path}: crc32c {crc:08x} read, the manifest says {f.crc32c}"
-                        if offer.on_corrupt is not None:
-                            offer.on_corrupt(why)
-                        raise BulkError(why)  # before the file's last record: the receiver never completes it
                     sealer = Cipher(algorithms.AES(offer.key), modes.GCM(_nonce(index, record))).encryptor()
                     sealer.authenticate_additional_data(offer.transfer)
                     n = sealer.update_into(piece, out)
@@ -246,19 +242,23 @@ def _mapped(path: Path, size: int) -> Iterator[memoryview]:
 
 def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[tuple[str, int, str]], dest: Path,
             expected: Mapping[str, tuple[int, str]] | None = None, chunk: int = CHUNK_BYTES,
-            timeout_s: float = 120.0) -> int:
+            timeout_s: float = 120.0, landing: Callable[[str, int], Slot | None] | None = None) -> int:
     """Receives an offered copy into ``dest`` (a fresh directory): ``files`` are (name, size,
     holder's crc32c) in the offer's order. Every record's tag is checked, and every file's CRC32C
-    against ``expected`` (the catalog's): when the holder's checksum (which the holder checked every
-    byte against as it sent them) is the catalog's, the authenticated records prove the bytes and
-    they are not hashed again; otherwise they are. A file is renamed into place only once it
-    matched. Returns the bytes received; raises :class:`BulkError`.
+    against ``expected`` (the catalog's; the holder's when the catalog names no sum for the file).
+    A file is renamed into place only once it matched. Returns the bytes received; raises
+    :class:`BulkError`.
 
     Two threads, each about half the work (this is CPU-bound: on loopback the copies, the cipher
     and the landing cost more than the wire): this one receives a record into a free buffer and
     opens it in place (the cipher releases the GIL); a writer copies the plaintext into the file
     (``pwrite`` into tmpfs: the bytes land in the memory tier's pages, which whoever loads the
-    copy maps) and hands the buffer back."""
+    copy maps) and hands the buffer back.
+
+    ``landing`` (the agent's :class:`~.landing.LandingReserve`) may offer a prepared slot for a
+    file: its records are then received straight into the slot's mapped pages and opened in place
+    (one copy fewer, no page allocated or faulted in on the way), and the slot is renamed into
+    place once the file matched."""
     dest.mkdir(parents=True, exist_ok=True)
     if expected is not None:
         sizes = {name: size for name, size, _ in files}
@@ -295,10 +295,20 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
             conn.settimeout(timeout_s)
             conn.sendall(transfer)
             for index, (name, size, holder_crc) in enumerate(files):
+                want = (expected or {}).get(name, (size, holder_crc))[1] or holder_crc
+                check = bool(want)
+                slot = landing(name, size) if landing is not None else None
+                if slot is not None:
+                    try:
+                        total += _receive_in_place(conn, slot, key, transfer, index, name, size, chunk,
+                                                   want if check else "")
+                        slot.finish(dest / name, size)
+                    except BaseException:
+                        slot.discard()
+                        raise
+                    continue
                 out = _Landing(dest, name, size)
                 landings.append(out)
-                want = (expected or {}).get(name, (size, holder_crc))[1] or holder_crc
-                check = bool(want) and want != holder_crc  # the holder checked its bytes against another sum
                 crc = 0
                 for record, length in _records(size, chunk):
                     buf = _get(free, stop)
@@ -343,6 +353,32 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
         err = errors[0]
         raise err if isinstance(err, BulkError) else BulkError(f"{type(err).__name__}: {err}")
     return total
+
+
+def _receive_in_place(conn: socket.socket, slot: Slot, key: bytes, transfer: bytes, index: int, name: str, size: int,
+                      chunk: int, want: str) -> int:
+    """One file's records received into ``slot``'s mapping and opened there (``want``: the CRC32C
+    the plaintext must have, "" for none)."""
+    tag = bytearray(TAG)
+    crc = 0
+    with memoryview(slot.map) as mapped:
+        for record, length in _records(size, chunk):
+            start = record * chunk
+            with mapped[start:start + length] as piece, mapped[start:start + length + TAG] as room:
+                _recv_into(conn, piece)
+                _recv_into(conn, memoryview(tag))
+                opener = Cipher(algorithms.AES(key), modes.GCM(_nonce(index, record), bytes(tag))).decryptor()
+                opener.authenticate_additional_data(transfer)
+                opener.update_into(piece, room)  # in place; the cipher wants a block of room past the bytes
+                try:
+                    opener.finalize()
+                except InvalidTag as exc:
+                    raise BulkError(f"{name}: record {record} does not open (altered, reordered or cut)") from exc
+                if want:
+                    crc = _crc32c.crc32c(piece, crc)
+    if want and f"{crc:08x}" != want:
+        raise BulkError(f"{name}: crc32c {crc:08x} received, expected {want}")
+    return size
 
 
 def _get(q: queue.Queue[Any], stop: threading.Event) -> Any:
@@ -409,4 +445,4 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 __all__ = ["CHUNK_BYTES", "BulkError", "BulkServer", "CopyNotHere", "NotADirectoryTier", "Offer", "OfferedFile",
-           "receive", "shard_files"]
+           "Slot", "receive", "shard_files"]

@@ -17,15 +17,18 @@ from typing import Any
 import grpc
 
 from ftd import metrics_http, pki, rpc, systemd
+from ftd.checkpoints.catalog import from_info
 from ftd.coordinator.client import CoordinatorClient
 from ftd.logs import set_identity
-from ftd.storage_backends.tiers import open_tiers, tiers_to_proto
+from ftd.storage_backends.tiers import LocalSpec, open_tiers, tiers_to_proto
 from ftd.v1 import agent_pb2, cluster_pb2
 
-from . import health, health_checks, rtt
+from . import health, health_checks, landing, rtt
 from .bulk_copy import BulkServer
 from .handover import Handover
 from .heartbeat import Identity, Session
+from .landing import LandingReserve
+from .memory_tier import default_capacity, used_bytes
 from .metrics import AgentMetrics
 from .peer_copy import PeerFetcher
 from .preemption import PreemptionWatcher
@@ -38,6 +41,7 @@ from .training import TrainingSupervisor, TrainSpec
 from .warm_training import WarmTrainingSupervisor
 
 log = logging.getLogger("ftd.agent")
+LANDING_PLAN_S = 5.0  # how often a spare sizes its landing reserve again from the catalog
 MAX_SAVES_IN_FLIGHT = 64  # local ranks saving at once; more is a misbehaving client
 
 
@@ -97,7 +101,14 @@ class AgentDaemon:
         spool = settings.mem_path if self.tiering.mem is not None else settings.tiers["ssd"]
         listen_host = settings.listen.rpartition(":")[0].strip("[]")
         self.bulk = BulkServer(listen_host, settings.peer_copy_port) if settings.peer_copy_port >= 0 else None
-        self.peers = PeerFetcher(self._agent_of, self.peer_channel, spool / ".peer-copies", fast=self.bulk is not None)
+        # Room prepared in the memory tier for what a restore pulls (agent.landing): on a spare, by default.
+        self.landing = (LandingReserve(spool / ".peer-copies" / ".landing", self.metrics.landing_ready.set,
+                                       self.metrics.landing_used.inc)
+                        if self.tiering.mem is not None and self.bulk is not None else None)
+        self._landing_at = -1e9
+        self._landing_busy = threading.Lock()
+        self.peers = PeerFetcher(self._agent_of, self.peer_channel, spool / ".peer-copies", fast=self.bulk is not None,
+                                 landing=self.landing)
         # Memory snapshots: pushed to the buddy (agent.replicator), a buddy's received (Agent.WriteShard).
         self.replicator = Replicator(
             self.tiering.mem, self.node_id, lambda: self.client.nodes().nodes, self.peer_channel, self._catalog_call,
@@ -111,6 +122,39 @@ class AgentDaemon:
             if node.node_id == node_id:
                 return "" if node.state in gone else node.agent_address
         return ""
+
+    def _maybe_plan_landing(self) -> None:
+        """Plans the landing reserve again every :data:`LANDING_PLAN_S`, off the main loop (it reads
+        the catalog and the node list from the coordinator)."""
+        if self.landing is None or self._landing_busy.locked() or time.monotonic() - self._landing_at < LANDING_PLAN_S:
+            return
+        self._landing_at = time.monotonic()
+        threading.Thread(target=self._plan_landing, name="ftd-landing-plan", daemon=True).start()
+
+    def _plan_landing(self) -> None:
+        assert self.landing is not None
+        with self._landing_busy:
+            wanted = self.settings.landing_reserve_mb
+            if wanted >= 0:
+                self.landing.set_target([landing.capacity_for(wanted << 20)] if wanted else [])
+                return
+            session = getattr(self, "session", None)
+            if self.settings.role != "spare" or session is None or session.assignment.rank >= 0:
+                self.landing.set_target([])  # only a spare waits to pull a node's share of the world
+                return
+            try:
+                records = [from_info(i) for i in self.client.checkpoints("")]
+                in_world = sum(1 for n in self.client.nodes().nodes if n.rank >= 0)
+            except (grpc.RpcError, ConnectionError) as exc:
+                log.debug("landing reserve kept: cannot read the catalog (%s)", exc)
+                return
+            storage = self.tiering.mem.spec.storage if self.tiering.mem is not None else None
+            capacity = (storage.capacity_bytes if isinstance(storage, LocalSpec) else 0) or default_capacity()
+            room = capacity - (used_bytes(self.settings.mem_path) - self.landing.held_bytes)
+            target, why = landing.plan(records, in_world, max(0, room))
+            if sorted(target) != sorted(self.landing.wanted):
+                log.info("landing reserve: %d slot(s), %d MiB (%s)", len(target), sum(target) >> 20, why)
+            self.landing.set_target(target)
 
     def peer_channel(self, address: str) -> grpc.Channel:
         """A channel to another node's agent, with this node's certificate under mTLS."""
@@ -365,6 +409,7 @@ class AgentDaemon:
             if self.training is not None:
                 self.training.tick()
             self._maybe_retarget_rtt()
+            self._maybe_plan_landing()
             self.supervisor.reap()
             self._publish_tier_metrics()
             watchdog.tick()
@@ -407,4 +452,6 @@ class AgentDaemon:
         self.server.stop(grace=1.0).wait(2.0)
         if self.bulk is not None:
             self.bulk.close()
+        if self.landing is not None:
+            self.landing.close()
         self.client.close()

@@ -25,6 +25,10 @@ class AgentMetrics:
         self.epoch = Gauge("ftd_agent_epoch", "Epoch of the node's current assignment", registry=r)
         self.rank = Gauge("ftd_agent_rank", "Rank of the node in the current world (-1: spare)", registry=r)
         self.disk_free = Gauge("ftd_agent_disk_free_bytes", "Free bytes on a tier directory", ["tier"], registry=r)
+        self.landing_ready = Gauge("ftd_agent_landing_reserve_bytes", "Room prepared in the memory tier for copies "
+                                   "pulled from peers in a restore (agent.landing)", registry=r)
+        self.landing_used = Counter("ftd_agent_landing_slots_used_total", "Pulled files received straight into a "
+                                    "prepared slot of the landing reserve", registry=r)
         # One series per GPU (label gpu = the NVML index), so that alerts can judge each GPU: a node
         # average hides one idle GPU among eight.
         self.gpu_utilization = Gauge("ftd_agent_gpu_utilization_ratio", "GPU utilisation (0..1) from NVML",

@@ -43,6 +43,7 @@ from ftd.storage_backends.base import Crc32c, ObjectNotFound, StorageBackend, St
 from ftd.v1 import agent_pb2
 
 from . import bulk_copy
+from .landing import LandingReserve
 
 log = logging.getLogger("ftd.agent.peer_copy")
 
@@ -206,12 +207,14 @@ class PeerFetcher:
     copy (through the coordinator's node list), pulls the copy into ``spool`` and answers where."""
 
     def __init__(self, node_agent: Callable[[str], str], open_channel: Callable[[str], grpc.Channel], spool: Path,
-                 timeout_s: float = 120.0, fast: bool = True) -> None:
+                 timeout_s: float = 120.0, fast: bool = True,
+                 landing: LandingReserve | None = None) -> None:
         self.node_agent = node_agent  # node id -> its agent's address ("" when unknown or gone)
         self.open_channel = open_channel
         self.spool = spool
         self.timeout_s = timeout_s
         self.fast = fast  # try the holder's fast path (OpenShard, ftd.agent.bulk_copy) before ReadShard
+        self.landing = landing  # prepared room for the fast path (ftd.agent.landing)
         shutil.rmtree(spool / _TRASH, ignore_errors=True)  # what an earlier run left being freed
 
     def fetch(self, request: agent_pb2.FetchShardRequest) -> Fetched:
@@ -225,7 +228,8 @@ class PeerFetcher:
             raise PeerUnreachable(f"node {request.location} has no reachable agent")
         stale = self._forget(job, rank, sum(f.size for f in request.expected) if request.expected else None)
         try:
-            return self._fetch(request, address)
+            with self.landing.pulling() if self.landing is not None else contextlib.nullcontext():
+                return self._fetch(request, address)
         finally:
             if stale:  # freed once the new copy is in: the restore does not wait for it
                 threading.Thread(target=_remove_all, args=(stale,), name="ftd-peer-copy-free", daemon=True).start()
@@ -268,7 +272,8 @@ class PeerFetcher:
         try:
             nbytes = bulk_copy.receive(parse_hostport(address)[0], offer.port, offer.transfer, offer.key,
                                        [(f.name, f.size, f.crc32c) for f in offer.files], dest, expected,
-                                       offer.chunk_bytes or bulk_copy.CHUNK_BYTES, self.timeout_s)
+                                       offer.chunk_bytes or bulk_copy.CHUNK_BYTES, self.timeout_s,
+                                       self.landing.take if self.landing is not None else None)
             if not (dest / MANIFEST).exists():
                 raise bulk_copy.BulkError(f"the copy of {read.job} step {read.step} rank {read.rank} has no manifest")
         except BaseException:

@@ -106,14 +106,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         except bulk_copy.CopyNotHere as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-
-        def corrupt(why: str) -> None:  # found while sending: only this node may record its copy
-            with contextlib.suppress(grpc.RpcError, ConnectionError):
-                self.daemon.client.call("RecordCopy", checkpoint_pb2.RecordCopyRequest(
-                    job=request.job, step=request.step, rank=request.rank, tier=tier.name, location=tier.location,
-                    present=True, corrupt_reason=why[:400]), idempotent=True)
-
-        port, offer = self.daemon.bulk.offer(files, corrupt)
+        # Not hashed here: the receiver checks every byte, and on a mismatch falls back to ReadShard,
+        # which checks this node's copy and records it corrupt (only this node may).
+        port, offer = self.daemon.bulk.offer(files)
         return agent_pb2.OpenShardResponse(
             port=port, transfer=offer.transfer, key=offer.key, chunk_bytes=self.daemon.bulk.chunk_bytes,
             files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files])

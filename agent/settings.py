@@ -58,6 +58,9 @@ class AgentSettings:
     peer_copy_port: int = setting(0, "TCP port of the fast peer copy path (shard copies for other nodes' restores, "
                                      "AES-GCM under a one-time key sent over mTLS); 0: any free port, -1: off "
                                      "(gRPC streams only)", "port")
+    landing_reserve_mb: int = setting(-1, "room prepared in the memory tier for the copies a restore pulls from peers "
+                                          "(ftd.agent.landing); -1: auto (on a spare, a node's share of the newest "
+                                          "step held in memory), 0: none, N: one slot of N MiB on any node", "MiB")
     train_cmd: str = setting("", "training script and its arguments, run under torchrun with the ftd rendezvous "
                                  "while the node holds a rank (empty: the agent launches no training)")
     launcher: str = setting("warm", "how training processes start: warm (standby workers with torch imported, "
@@ -131,6 +134,8 @@ class AgentSettings:
         require(self.mem_capacity_bytes >= 0, "mem_capacity_bytes", f"must be >= 0 (got {self.mem_capacity_bytes})")
         require(-1 <= self.peer_copy_port <= 65535, "peer_copy_port",
                 f"must be in [-1, 65535] (got {self.peer_copy_port})")
+        require(self.landing_reserve_mb >= -1, "landing_reserve_mb",
+                f"must be -1 (auto), 0 (none) or a size in MiB (got {self.landing_reserve_mb})")
         require(self.replication_bandwidth_mb_s >= 0, "replication_bandwidth_mb_s",
                 f"must be >= 0 (got {self.replication_bandwidth_mb_s})")
         require(not self.s3_endpoint or self.s3_endpoint.startswith(("http://", "https://")), "s3_endpoint",

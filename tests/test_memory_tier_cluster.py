@@ -4,6 +4,7 @@ shared filesystem, no S3), the training side in this process or under torchrun.
 * memory snapshots are replicated to the buddy (another rack) and recorded there; the cadence shows
   in the catalog; a snapshot over the budget is refused and counted, never an OOM; a node without a
   copy pulls one from another node's memory;
+* a spare prepares room in its memory tier for what it would pull, and the pull lands in it;
 * the issue's must-show: a node kill with no shared HDD and no S3 resumes from the buddy's memory,
   losing at most one step.
 """
@@ -119,6 +120,34 @@ def test_snapshots_are_replicated_to_the_buddy_bounded_and_pulled_by_a_node_with
     finally:
         spare.close()
     assert metric(racks, "node-0", "ftd_agent_memory_replicated_shards_total") >= 2
+
+
+def test_a_spare_prepares_room_for_what_it_would_pull_and_the_pull_lands_in_it(tmp_path: Path) -> None:
+    """The landing reserve (agent.landing) on real agents: the spare sizes it from the catalog (a
+    12 MB shard: one 64 MiB slot), the active nodes prepare none, and the spare's pull lands in it."""
+    cluster = up(tmp_path / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False)
+    big = {"w": torch.randn(3_000_000, generator=torch.Generator().manual_seed(3)), "step": 3}
+    ck = Checkpointer(JOB, rank=0, world_size=1, agent_socket=agent(cluster, "node-0").info["socket"],
+                      install_signal_handlers=False)
+    try:
+        assert ck.save(3, big, memory=True, durable=False).result().ok
+        wait_for(lambda: records(cluster, JOB)[3].on_tier["mem"], 20, "step 3 in memory on node-0 and its buddy")
+        wait_for(lambda: metric(cluster, "node-2", "ftd_agent_landing_reserve_bytes") == 64 << 20, 30,
+                 "the spare's 64 MiB slot prepared")
+        assert list((mem_root(cluster, "node-2") / ".peer-copies" / ".landing").iterdir()), "a file in its memory tier"
+        assert metric(cluster, "node-0", "ftd_agent_landing_reserve_bytes") == 0, "an active node prepares none"
+        spare = Checkpointer(JOB, rank=0, world_size=1, agent_socket=agent(cluster, "node-2").info["socket"],
+                             install_signal_handlers=False)
+        try:
+            step, loaded = spare.load_latest()  # type: ignore[misc]
+            assert step == 3 and torch.equal(loaded["w"], big["w"]) and "pulled" in spare.restored_from
+        finally:
+            spare.close()
+        assert metric(cluster, "node-2", "ftd_agent_landing_slots_used_total") == 1
+        assert metric(cluster, "node-2", "ftd_agent_landing_reserve_bytes") == 0, "not refilled right after a pull"
+    finally:
+        ck.close()
+        stop(cluster)
 
 
 # ---- the must-show: a node kill with no shared HDD and no S3 resumes from the buddy's memory ----------------

@@ -97,6 +97,9 @@ def test_agent_validation() -> None:
         agent(["--node-id", "../etc"])
     with pytest.raises(SettingsError, match="labels"):
         agent(["--labels", "rack"])
+    with pytest.raises(SettingsError, match="landing_reserve_mb"):
+        agent(["--landing-reserve-mb", "-2"])
+    assert agent([]).landing_reserve_mb == -1 and agent(["--landing-reserve-mb", "512"]).landing_reserve_mb == 512
     s = agent(["--labels", "rack=r1,zone=z", "--node-id", "n-1"])
     assert s.labels == {"rack": "r1", "zone": "z"} and s.effective_node_id == "n-1"
 
