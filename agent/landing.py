@@ -240,7 +240,7 @@ class LandingReserve:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 slot = Slot(self.root / f"slot-{secrets.token_hex(6)}", capacity)
-            except (OSError, ValueError) as exc:
+            except Exception as exc:  # the thread must outlive any failure: the next plan asks again
                 log.warning("landing reserve: cannot prepare a %d MiB slot in %s (%s); restores land the ordinary "
                             "way", capacity >> 20, self.root, exc)
                 with self._lock:
