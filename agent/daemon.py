@@ -150,7 +150,7 @@ class AgentDaemon:
                 return
             storage = self.tiering.mem.spec.storage if self.tiering.mem is not None else None
             capacity = (storage.capacity_bytes if isinstance(storage, LocalSpec) else 0) or default_capacity()
-            room = capacity - (used_bytes(self.settings.mem_path) - self.landing.held_bytes)
+            room = capacity - (used_bytes(self.settings.mem_path) - self.landing.ready_bytes)
             target, why = landing.plan(records, in_world, max(0, room))
             if sorted(target) != sorted(self.landing.wanted):
                 log.info("landing reserve: %d slot(s), %d MiB (%s)", len(target), sum(target) >> 20, why)

@@ -143,11 +143,6 @@ class LandingReserve:
         with self._lock:
             return list(self._want)
 
-    @property
-    def held_bytes(self) -> int:
-        """What the reserve occupies in the memory tier (counted in its budget by its files)."""
-        return self.ready_bytes
-
     def set_target(self, capacities: list[int]) -> None:
         """The slots wanted now (capacities from :func:`plan`); slots no longer wanted are freed."""
         drop: list[Slot] = []

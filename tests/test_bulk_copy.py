@@ -7,8 +7,6 @@ there is room, before it otherwise."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 from ftd.agent import bulk_copy
 from ftd.agent.peer_copy import PeerFetcher, _remove_all
 from ftd.storage_backends.base import crc32c_hex
+from ftd.testing import flipping_proxy
 
 CHUNK = 4096
 
@@ -75,33 +74,10 @@ def test_a_catalog_checksum_other_than_the_holders_is_checked_here(server: bulk_
     assert not (tmp_path / "bad" / "a.bin").exists() and not list((tmp_path / "bad").glob(".*.part"))
 
 
-def _flipping_proxy(target: int, flip_at: int) -> tuple[socket.socket, threading.Thread]:
-    """A loopback proxy to ``target`` that inverts the byte at offset ``flip_at`` of the holder's stream."""
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def run() -> None:
-        conn, _ = listener.accept()
-        with conn, socket.create_connection(("127.0.0.1", target)) as up:
-            up.sendall(conn.recv(16))  # the transfer id
-            seen = 0
-            while data := bytearray(up.recv(1 << 16)):
-                if seen <= flip_at < seen + len(data):
-                    data[flip_at - seen] ^= 0xFF
-                seen += len(data)
-                try:
-                    conn.sendall(data)
-                except OSError:
-                    return  # the receiver gave up: expected once the altered record fails
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    return listener, worker
-
-
 def test_a_byte_altered_on_the_wire_yields_no_file(server: bulk_copy.BulkServer, tmp_path: Path) -> None:
     files = holder_files(tmp_path / "holder", CONTENTS)
     port, offer = server.offer(files)
-    listener, worker = _flipping_proxy(port, flip_at=20 * (CHUNK + bulk_copy.TAG) + 7)  # inside a.bin's 21st record
+    listener, worker = flipping_proxy(port, flip_at=20 * (CHUNK + bulk_copy.TAG) + 7)  # inside a.bin's 21st record
     with listener:
         with pytest.raises(bulk_copy.BulkError, match=r"a\.bin: record 20 does not open"):
             bulk_copy.receive("127.0.0.1", listener.getsockname()[1], offer.transfer, offer.key,

@@ -6,7 +6,6 @@ matched; an altered byte or a wrong checksum leaves no file and no slot behind."
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from ftd.agent.landing import GRANULE, MIN_FILE, LandingReserve, Slot, capacity_
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef, ShardRecord
 from ftd.checkpoints.layout import FileEntry
 from ftd.storage_backends.base import crc32c_hex
-from ftd.testing import wait_for
+from ftd.testing import ManualClock, flipping_proxy, wait_for
 
 MIB = 1 << 20
 
@@ -62,17 +61,12 @@ def test_capacities_round_up_with_room_for_the_cipher() -> None:
 # ---- the reserve -------------------------------------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+Reserve = tuple[LandingReserve, ManualClock, list[int]]
 
 
 @pytest.fixture
-def reserve(tmp_path: Path) -> Iterator[tuple[LandingReserve, Clock, list[int]]]:
-    clock, ready, taken = Clock(), [0], []
+def reserve(tmp_path: Path) -> Iterator[Reserve]:
+    clock, ready, taken = ManualClock(), [0], []
     res = LandingReserve(tmp_path / "landing", lambda n: ready.__setitem__(0, n), lambda: taken.append(1), clock)
     try:
         yield res, clock, taken
@@ -80,7 +74,7 @@ def reserve(tmp_path: Path) -> Iterator[tuple[LandingReserve, Clock, list[int]]]
         res.close()
 
 
-def test_slots_are_prepared_in_the_background_and_taken_once(reserve: tuple[LandingReserve, Clock, list[int]]) -> None:
+def test_slots_are_prepared_in_the_background_and_taken_once(reserve: Reserve) -> None:
     res, _, taken = reserve
     res.set_target([GRANULE, GRANULE])
     wait_for(lambda: res.ready_bytes == 2 * GRANULE, 30, "two slots prepared")
@@ -96,7 +90,7 @@ def test_slots_are_prepared_in_the_background_and_taken_once(reserve: tuple[Land
     assert res.ready_bytes == 0 and list(res.root.iterdir()) == []
 
 
-def test_no_slot_is_prepared_during_a_pull_or_right_after(reserve: tuple[LandingReserve, Clock, list[int]]) -> None:
+def test_no_slot_is_prepared_during_a_pull_or_right_after(reserve: Reserve) -> None:
     res, clock, _ = reserve
     with res.pulling():
         res.set_target([GRANULE])
@@ -181,29 +175,9 @@ def test_a_copy_rotten_at_the_holder_fails_the_receivers_check(server: bulk_copy
 
 
 def test_a_byte_altered_on_the_wire_leaves_no_file_and_no_slot(server: bulk_copy.BulkServer, tmp_path: Path) -> None:
-    import socket
-
     files = offered(tmp_path / "holder")
     offer_port, offer = server.offer(files)
-    listener = socket.create_server(("127.0.0.1", 0))
-    flip_at = 5 * (CHUNK + bulk_copy.TAG) + 3
-
-    def proxy() -> None:
-        conn, _ = listener.accept()
-        with conn, socket.create_connection(("127.0.0.1", offer_port)) as up:
-            up.sendall(conn.recv(16))
-            seen = 0
-            while data := bytearray(up.recv(1 << 16)):
-                if seen <= flip_at < seen + len(data):
-                    data[flip_at - seen] ^= 0xFF
-                seen += len(data)
-                try:
-                    conn.sendall(data)
-                except OSError:
-                    return
-
-    worker = threading.Thread(target=proxy, daemon=True)
-    worker.start()
+    listener, worker = flipping_proxy(offer_port, flip_at=5 * (CHUNK + bulk_copy.TAG) + 3)
     slot = Slot(tmp_path / "slot", len(BIG) + MIB)
     with listener, pytest.raises(bulk_copy.BulkError, match="record 5 does not open"):
         bulk_copy.receive("127.0.0.1", listener.getsockname()[1], offer.transfer, offer.key,

@@ -54,7 +54,7 @@ from ftd.agent.warm_pool import (
 )
 from ftd.coordinator import rendezvous as rules
 from ftd.coordinator.jobs import round_info
-from ftd.testing import wait_for
+from ftd.testing import ManualClock, wait_for
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,12 +253,7 @@ class FakePool:
         return dict(self.assignments[activation][local_rank].env)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+Clock = ManualClock
 
 
 @pytest.fixture
