@@ -18,14 +18,14 @@ import grpc
 
 from ftd import metrics_http, pki, rpc, systemd
 from ftd.checkpoints.catalog import from_info
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.logs import set_identity
 from ftd.storage_backends.tiers import LocalSpec, open_tiers, tiers_to_proto
 from ftd.v1 import agent_pb2, cluster_pb2
 
 from . import health, health_checks, landing, rtt
 from .bulk_copy import BulkServer
-from .handover import Handover
+from .handover_relay import Handover
 from .heartbeat import Identity, Session
 from .landing import LandingReserve
 from .memory_tier import default_capacity, used_bytes
@@ -37,8 +37,8 @@ from .rtt import RttMetrics, RttProber
 from .settings import AgentSettings
 from .supervisor import Supervisor
 from .tiering import Tiering
-from .training import TrainingSupervisor, TrainSpec
-from .warm_training import WarmTrainingSupervisor
+from .torchrun_supervisor import TrainingSupervisor, TrainSpec
+from .warm_supervisor import WarmTrainingSupervisor
 
 log = logging.getLogger("ftd.agent")
 LANDING_PLAN_S = 5.0  # how often a spare sizes its landing reserve again from the catalog

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import cluster_pb2, coordinator_pb2
 

@@ -54,7 +54,7 @@ IDLE_S = 1.0  # the longest a loop sleeps without being kicked
 
 
 class CoordinatorCalls(Protocol):
-    """What the launcher needs of :class:`ftd.coordinator.client.CoordinatorClient`."""
+    """What the launcher needs of :class:`ftd.client.CoordinatorClient`."""
 
     def call(self, method: str, request: Any, *, idempotent: bool, timeout_s: float | None = None,
              deadline_s: float | None = None) -> Any: ...

@@ -20,7 +20,7 @@ from ftd.storage_backends.base import StorageError
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 from . import bulk_copy, peer_copy, replicator
-from .training import signal_pids
+from .torchrun_supervisor import signal_pids
 
 if TYPE_CHECKING:
     from .daemon import AgentDaemon

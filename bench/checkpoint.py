@@ -140,7 +140,7 @@ def dcp_times(work: Path, state: Any) -> tuple[float, float, float]:
 
 def start_moto(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     from ftd.ftctl.etcd_server import free_port
-    from ftd.testing import wait_for
+    from ftd.waiting import wait_for
 
     port = free_port()
     exe = Path(sys.executable).parent / "moto_server"
@@ -215,11 +215,11 @@ def disk_figures(args: argparse.Namespace, state: dict[str, Any], size_bytes: in
                  record: Callable[[str, float], None]) -> None:
     """ftd's save and restore on disk next to dd, torch.save and DCP (one node: SSD, HDD, S3)."""
     from ftd.checkpoints.catalog import from_info
-    from ftd.coordinator.client import CoordinatorClient
+    from ftd.client import CoordinatorClient
     from ftd.ftctl.localcluster import stop, up
-    from ftd.testing import wait_for
     from ftd.training import Checkpointer
     from ftd.v1 import checkpoint_pb2
+    from ftd.waiting import wait_for
 
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-ckpt-", dir=args.dir))
     moto, url = (None, "") if args.no_s3 else start_moto(work)
@@ -349,10 +349,10 @@ def memory_figures(args: argparse.Namespace, state: dict[str, Any], record: Call
     memory (FetchShard: its agent pulls the copy over gRPC with mTLS); raw loopback TCP of the same
     bytes in the same rounds."""
     from ftd.ftctl.localcluster import stop, up
-    from ftd.testing import wait_for
     from ftd.training import Checkpointer
     from ftd.training.cadence import CadencePolicy
     from ftd.v1 import checkpoint_pb2
+    from ftd.waiting import wait_for
 
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-mem-", dir=args.mem_dir))
     cluster = up(work / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False,

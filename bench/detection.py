@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.ftctl.localcluster import spawn_agent, stop, up, wait_agent
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 from _common import emit, percentile
 

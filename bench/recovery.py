@@ -56,11 +56,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftd.agent.training import descendants
+from ftd.agent.torchrun_supervisor import descendants
 from ftd.ftctl import drill
 from ftd.ftctl.etcd_server import free_port
 from ftd.ftctl.localcluster import ClusterFile, TrainOptions, spawn_agent, stop, up, wait_agent
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 from _common import emit, percentile
 

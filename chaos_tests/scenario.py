@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ftd import netlab
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.ftctl import isolated, localcluster
-from ftd.testing import Timeout, wait_for
 from ftd.v1 import checkpoint_pb2
+from ftd.waiting import Timeout, wait_for
 
 from . import invariants
 from .invariants import Check
@@ -100,7 +100,7 @@ T = TypeVar("T")
 
 
 def within(condition: Callable[[], T | None], timeout_s: float, what: str, interval_s: float = 0.2) -> T | None:
-    """:func:`ftd.testing.wait_for`, but ``None`` on a timeout (the caller turns it into a failed check)."""
+    """:func:`ftd.waiting.wait_for`, but ``None`` on a timeout (the caller turns it into a failed check)."""
     try:
         return wait_for(condition, timeout_s, what, interval_s=interval_s)
     except Timeout:

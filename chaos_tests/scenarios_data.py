@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ftd.checkpoints.layout import MANIFEST, shard_prefix
-from ftd.testing import Timeout, wait_for
+from ftd.waiting import Timeout, wait_for
 
 from .faults import signal_all
 from .invariants import Check

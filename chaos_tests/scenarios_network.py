@@ -335,7 +335,7 @@ def latency(ctx: Context) -> Outcome:
 
     rose = bool(slow_links) and all(median[k] > 0.5e-3 for k in slow_links)
     how = {"netem": "tc netem qdisc on the node's interface",
-           "relay": f"userspace relay (ftd/netlab_relay.py) in the switch namespace holding every frame {victim} "
+           "relay": f"userspace relay (netlab/relay.py) in the switch namespace holding every frame {victim} "
                     f"sends for 1 ms: {host.port} taken off the bridge, frames re-sent through a veth pair; "
                     "this kernel has no sch_netem"}[backend]
     checks = [

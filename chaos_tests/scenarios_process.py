@@ -8,7 +8,7 @@ import signal
 from collections.abc import Iterable
 
 from ftd.agent.buddy import Peer, choose_buddy
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 from .faults import signal_all, still_running
 from .invariants import Check

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ftd.testing import Timeout, wait_for
 from ftd.v1 import checkpoint_pb2, coordinator_pb2
+from ftd.waiting import Timeout, wait_for
 
 from . import storage_lab
 from .faults import alive

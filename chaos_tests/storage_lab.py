@@ -28,7 +28,7 @@ from ftd import pki
 from ftd.ftctl import isolated
 from ftd.ftctl.etcd_server import EtcdMember
 from ftd.rpc import client_credentials
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 from .faults import alive
 from .scenario import Context

@@ -12,9 +12,9 @@ import pytest
 
 from chaos_tests.faults import CpuStress, injected
 from chaos_tests.observe import watch
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.ftctl.localcluster import stop, up
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

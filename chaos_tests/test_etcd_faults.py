@@ -12,11 +12,11 @@ import pytest
 
 from chaos_tests.faults import EtcdMemberKill, EtcdOutage, injected
 from chaos_tests.observe import watch
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.coordinator.etcd_store import EtcdStore
 from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import ClusterFile, stop, up
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

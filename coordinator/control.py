@@ -31,10 +31,10 @@ from .committer import Committer
 from .drains import DrainKeeper
 from .event_log import EventLog
 from .gauges import AlarmWatch, Gauges
+from .guard_metrics import guard_metrics
 from .jobs import JobKeeper
 from .membership import Membership
 from .metrics import CoordinatorMetrics
-from .security_metrics import security_metrics
 from .settings import CoordinatorSettings
 from .store import Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
 from .store_calls import StoreCalls
@@ -66,7 +66,7 @@ class Controller:
         self.wall = wall  # unix time: what records and events say
         self.calls = StoreCalls(self.metrics)
         self.committer = Committer(store, self.calls, settings, self.metrics, clock, wall)
-        self.security = security_metrics(self.metrics.registry)
+        self.security = guard_metrics(self.metrics.registry)
         self.limiter = limits.WriteLimiter(
             settings.write_rate_per_node_s, settings.write_burst_per_node,
             clock=clock, on_limited=self.security.count_limited)

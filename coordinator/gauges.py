@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 from .catalog import CatalogKeeper
 from .committer import Committer
+from .guard_metrics import ALARMS, GuardMetrics
 from .membership import Membership
 from .metrics import CoordinatorMetrics
-from .security_metrics import ALARMS, SecurityMetrics
 from .store import StateStore, StoreRejected, StoreUnavailable
 from .store_calls import StoreCalls
 from .view import ALARM_HINTS
@@ -25,7 +25,7 @@ log = logging.getLogger("ftd.coordinator")
 
 class Gauges:
     def __init__(self, committer: Committer, membership: Membership, catalog: CatalogKeeper,
-                 metrics: CoordinatorMetrics, security: SecurityMetrics,
+                 metrics: CoordinatorMetrics, security: GuardMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.committer, self.membership, self.catalog = committer, membership, catalog
         self.metrics, self.security, self.clock = metrics, security, clock
@@ -63,7 +63,7 @@ class Gauges:
 class AlarmWatch:
     """etcd's raised alarms, as last polled."""
 
-    def __init__(self, store: StateStore, calls: StoreCalls, committer: Committer, security: SecurityMetrics) -> None:
+    def __init__(self, store: StateStore, calls: StoreCalls, committer: Committer, security: GuardMetrics) -> None:
         self.store, self.calls, self.committer, self.security = store, calls, committer, security
         self.raised: list[str] = []
 

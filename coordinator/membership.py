@@ -14,18 +14,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ftd.health_verdict import eligible_for_promotion
 from ftd.logs import set_identity
+from ftd.promotion_fitness import eligible_for_promotion
 from ftd.v1 import coordinator_pb2
 
-from . import errors, handover, limits
+from . import errors, handover_rules, limits
 from .admission import check_heartbeat, decide_registration, validate_register
 from .detector import Liveness, State, Verdict, judge
+from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
 from .placement import collectable, plan
 from .recovery import RecoveryTracker
-from .security_metrics import security_metrics
 from .settings import CoordinatorSettings
 from .store import StaleStateError
 from .view import ClusterView, Runtime
@@ -221,7 +221,7 @@ class Membership:
             handed = tuple(n for n in step.dead if n in planned)
             try:
                 await self.state.commit("epoch" if step.world else "fence", nodes=step.nodes, world=step.world,
-                                        events=step.events, kv_deletes=[handover.key(n) for n in handed])
+                                        events=step.events, kv_deletes=[handover_rules.key(n) for n in handed])
             except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
                 self.changed = True  # publish the gauges now: they show what the leader could not fix
                 return
@@ -264,7 +264,7 @@ class Membership:
             return
         for node_id in gone:
             view.forget(node_id)
-        security_metrics(self.metrics.registry).nodes_collected.inc(len(gone))
+        guard_metrics(self.metrics.registry).nodes_collected.inc(len(gone))
         log.info("%s", event[2])
         self.changed = True
 
@@ -280,7 +280,7 @@ class Membership:
                 continue
             in_job = job is not None and not job.closed and view.rank_of(node_id) >= 0
             restore = view.newest_restorable(job.job) if job is not None else -1
-            ready, why = handover.handover_due(self.wall(), drain, restore, in_job, self.settings.handover)
+            ready, why = handover_rules.handover_due(self.wall(), drain, restore, in_job, self.settings.handover)
             if ready:
                 view.verdicts[node_id] = Verdict(State.DEAD, f"planned hand-over ({drain.reason}): {why}", 0.0)
                 due.add(node_id)

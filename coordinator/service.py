@@ -18,11 +18,11 @@ from grpc import aio
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
 from ftd.authz import AuthzFacts
+from ftd.client import LEADER_METADATA_KEY
 from ftd.pki import Identity
 from ftd.v1 import checkpoint_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from . import errors
-from .client import LEADER_METADATA_KEY
 from .control import Controller
 from .membership import ACK, Stream
 

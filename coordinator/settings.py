@@ -12,7 +12,7 @@ from ftd.rpc import parse_hostport
 from ftd.settings import require, setting
 
 from .detector import DetectorSettings
-from .handover import HandoverPolicy
+from .handover_rules import HandoverPolicy
 
 ENV_PREFIX = "FTD_COORDINATOR_"
 

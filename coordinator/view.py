@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import handover, limits, rendezvous
+from . import handover_rules, limits, rendezvous
 from .detector import Liveness, State, Verdict
 from .model import NodeRecord, Role, World
 from .store import Snapshot
@@ -64,7 +64,7 @@ class ClusterView:
     jobs: dict[str, rendezvous.JobState] = field(default_factory=dict)
     forced_dead: dict[str, str] = field(default_factory=dict)  # node -> why (a hung node reported itself)
     stalls: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, round) -> nodes stalled
-    drains: dict[str, handover.Drain] = field(default_factory=dict)  # pending planned hand-overs
+    drains: dict[str, handover_rules.Drain] = field(default_factory=dict)  # pending planned hand-overs
     _rank: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -87,7 +87,7 @@ class ClusterView:
                     view.problems.append(f"job record {key!r} is corrupt: {exc}")
             elif key.startswith("drains/"):
                 try:
-                    drain = handover.decode(raw)
+                    drain = handover_rules.decode(raw)
                     view.drains[drain.node_id] = drain
                 except (ValueError, TypeError, KeyError) as exc:
                     view.problems.append(f"drain record {key!r} is corrupt: {exc}")

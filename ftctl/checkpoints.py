@@ -12,7 +12,7 @@ from rich.console import Console
 
 from ftd import rpc
 from ftd.checkpoints.catalog import CopyRef
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 

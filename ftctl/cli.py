@@ -1,4 +1,4 @@
-"""``ftctl``: the operator CLI, a thin ``main(argv)`` over :mod:`ftd.coordinator.client`,
+"""``ftctl``: the operator CLI, a thin ``main(argv)`` over :mod:`ftd.client`,
 :mod:`.localcluster` and :mod:`.drill`. Every read command takes ``--json``.
 
 Exit codes: 0 ok, 1 the operation ran and failed (a drill missed its target, a cluster did not form,
@@ -30,7 +30,7 @@ import grpc
 from google.protobuf import json_format
 
 from ftd import netlab, pki
-from ftd.coordinator.client import CoordinatorClient, CoordinatorUnreachable
+from ftd.client import CoordinatorClient, CoordinatorUnreachable
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftd.testing import wait_for
 from ftd.v1 import checkpoint_pb2
+from ftd.waiting import wait_for
 
 from . import drill, localcluster, preempt_drill
 from .json_shapes import status_dict

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from ftd import rpc
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2
 
 _GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ftd import netlab
-from ftd.netlab_ledger import STATE_FILE, Ledger, tool
+from ftd.netlab.ledger import STATE_FILE, Ledger, tool
 
 from .etcd_server import EtcdCluster, EtcdMember
 

@@ -10,7 +10,7 @@ a CA, the operator, and per node, coordinator and etcd member its certificate); 
 mutual TLS with the authorization table enforced, the embedded etcd requires client certificates and
 has its auth on (:mod:`.etcd_server`), and drills are authorised by the operator certificate (no
 token anywhere). The process that ran :func:`up` dials the cluster with the operator certificate by
-default (:func:`ftd.coordinator.client.remember_identity`); ``ftctl --workdir DIR`` does too.
+default (:func:`ftd.client.remember_identity`); ``ftctl --workdir DIR`` does too.
 
 ``isolate`` (``ftctl up --isolate``, :mod:`.isolated`): every etcd member, coordinator replica and node
 in its own network namespace with its own address on a lab bridge (``DIR/net``), ports fixed, the
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ftd import pki
-from ftd.coordinator.client import CoordinatorClient, remember_identity
+from ftd.client import CoordinatorClient, remember_identity
 
 from . import isolated, s3_server
 from .etcd_server import EtcdCluster, free_port

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.v1 import checkpoint_pb2
 
 from .drill import DrillError, DrillResult, _progress

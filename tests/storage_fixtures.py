@@ -22,7 +22,7 @@ import boto3
 
 from ftd.ftctl.etcd_server import free_port
 from ftd.storage_backends.s3 import make_client
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 
 def moto_server_binary() -> str | None:

@@ -25,8 +25,8 @@ import grpc
 import pytest
 import torch
 
+from ftd.client import CoordinatorClient
 from ftd.coordinator import catalog, errors, limits
-from ftd.coordinator.client import CoordinatorClient
 from ftd.coordinator.control import Controller
 from ftd.coordinator.settings import CoordinatorSettings
 from ftd.coordinator.store import MemoryStore

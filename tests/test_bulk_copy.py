@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from doubles import flipping_proxy
 
 from ftd.agent import bulk_copy
 from ftd.agent.peer_copy import PeerFetcher, _remove_all
 from ftd.storage_backends.base import crc32c_hex
-from ftd.testing import flipping_proxy
 
 CHUNK = 4096
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from ftd.checkpoints.layout import MANIFEST, BadIdentifier, shard_prefix
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.ftctl.cli import main as ftctl
 from ftd.ftctl.localcluster import ClusterFile, spawn_agent, wait_agent
-from ftd.testing import wait_for
 from ftd.training import Checkpointer
 from ftd.v1 import checkpoint_pb2
+from ftd.waiting import wait_for
 
 pytestmark = pytest.mark.etcd
 JOB = "job-a"

@@ -16,11 +16,11 @@ import torch
 from storage_fixtures import MotoServer, RegionCheckingProxy
 
 from ftd.checkpoints.layout import shard_prefix
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.ftctl.localcluster import ClusterFile, stop, up
-from ftd.testing import wait_for
 from ftd.training import Checkpointer
 from ftd.v1 import checkpoint_pb2
+from ftd.waiting import wait_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.s3, pytest.mark.slow]
 JOB = "cold"

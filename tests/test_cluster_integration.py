@@ -16,12 +16,12 @@ import grpc
 import pytest
 
 from ftd import pki, rpc
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.coordinator.etcd_store import EtcdStore
 from ftd.etcd_client import EtcdTls, using_tls
 from ftd.ftctl.localcluster import ClusterFile, spawn_agent, wait_agent
-from ftd.testing import wait_for
 from ftd.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ftd.waiting import wait_for
 
 pytestmark = pytest.mark.etcd
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from ftd.agent.training import descendants
-from ftd.coordinator.client import CoordinatorClient
+from ftd.agent.torchrun_supervisor import descendants
+from ftd.client import CoordinatorClient
 from ftd.ftctl import drill
 from ftd.ftctl.localcluster import TrainOptions, spawn_agent, stop, up, wait_agent
-from ftd.testing import wait_for
 from ftd.v1 import checkpoint_pb2
+from ftd.waiting import wait_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

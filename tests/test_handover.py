@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftd.coordinator.handover import Drain, HandoverPolicy, decode, encode, handover_due
+from ftd.coordinator.handover_rules import Drain, HandoverPolicy, decode, encode, handover_due
 
 T0 = 1_800_000_000.0
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 
-from ftd.agent.handover import Handover
+from ftd.agent.handover_relay import Handover
 from ftd.agent.metrics import AgentMetrics
 from ftd.agent.preemption import Notice, NoticeKind
-from ftd.testing import wait_for
-from ftd.training.handover import HandoverFlag, agree_any
+from ftd.training.handover_stop import HandoverFlag, agree_any
 from ftd.v1 import coordinator_pb2
+from ftd.waiting import wait_for
 
 NOW = 1_800_000_000.0
 

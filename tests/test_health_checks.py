@@ -35,7 +35,7 @@ from ftd.agent.health_checks import (
     probe_peer,
 )
 from ftd.ftctl.etcd_server import free_port
-from ftd.health_verdict import eligible_for_promotion, split_candidates
+from ftd.promotion_fitness import eligible_for_promotion, split_candidates
 from ftd.settings import SettingsError, load
 
 GiB = 1 << 30

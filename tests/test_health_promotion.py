@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.ftctl.cli import main
 from ftd.ftctl.localcluster import ClusterFile, spawn_agent, stop, up, wait_agent
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

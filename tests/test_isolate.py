@@ -20,7 +20,7 @@ import pytest
 
 from ftctl import isolated
 from ftd import netlab
-from ftd.netlab_ledger import netns_list
+from ftd.netlab.ledger import netns_list
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

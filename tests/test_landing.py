@@ -10,13 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from doubles import ManualClock, flipping_proxy
 
 from ftd.agent import bulk_copy, landing
 from ftd.agent.landing import GRANULE, MIN_FILE, LandingReserve, Slot, capacity_for, plan
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef, ShardRecord
 from ftd.checkpoints.layout import FileEntry
 from ftd.storage_backends.base import crc32c_hex
-from ftd.testing import ManualClock, flipping_proxy, wait_for
+from ftd.waiting import wait_for
 
 MIB = 1 << 20
 

@@ -307,7 +307,7 @@ def test_no_buddy_is_counted_not_fatal(tmp_path: Path) -> None:
     worker = threading.Thread(target=replicator.run, args=(stop,))
     worker.start()
     try:
-        from ftd.testing import wait_for
+        from ftd.waiting import wait_for
 
         wait_for(lambda: metrics.failures.labels("no_buddy")._value.get() == 1, 10, "the no-buddy failure counted")
     finally:

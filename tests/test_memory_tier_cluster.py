@@ -26,10 +26,10 @@ from ftd.agent.memory_tier import snapshots
 from ftd.checkpoints.catalog import CopyRef, from_info
 from ftd.ftctl import drill
 from ftd.ftctl.localcluster import ClusterFile, TrainOptions, stop, up
-from ftd.testing import wait_for
 from ftd.training import Checkpointer
 from ftd.training.cadence import CadencePolicy
 from ftd.v1 import checkpoint_pb2
+from ftd.waiting import wait_for
 
 pytestmark = [pytest.mark.etcd]
 JOB = "mem-job"

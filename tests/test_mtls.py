@@ -437,7 +437,7 @@ def test_etcd_with_mutual_tls(root: Path, tmp_path: Path) -> None:
 
     from ftd.etcd_client import CHANNEL_OPTIONS, RETRY_FAILED_MEMBER_S
     from ftd.ftctl.etcd_server import etcd_binary, free_port
-    from ftd.testing import wait_for
+    from ftd.waiting import wait_for
 
     pki.issue(root, "etcd", "m0", force=True)
     crt, key = pki.paths(root, "etcd", "m0")

@@ -1,4 +1,4 @@
-"""The network lab (ftd/netlab.py): pure decisions first (no root needed), then real namespaces, where
+"""The network lab (netlab/lab.py): pure decisions first (no root needed), then real namespaces, where
 every claim is shown with traffic: a TCP connect across namespaces succeeds or fails, datagrams arrive
 or not, a measured round trip rises with the delay. Needs root and ip/tc/nft (``netns`` marker)."""
 
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from ftd.netlab import CommandError, Host, Lab, MissingPrivileges, NetlabError, leftovers, missing_privileges, purge
-from ftd.netlab_plan import EVERYONE, Cut, host_address, parse_networks, pick_subnet, render_cut
-from ftd.testing import wait_for
+from ftd.netlab.plan import EVERYONE, Cut, host_address, parse_networks, pick_subnet, render_cut
+from ftd.waiting import wait_for
 
 # -- pure decisions -----------------------------------------------------------------------------------
 

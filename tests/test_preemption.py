@@ -42,7 +42,7 @@ from ftd.agent.preemption import (
 )
 from ftd.ftctl.etcd_server import free_port
 from ftd.settings import SettingsError, load
-from ftd.testing import wait_for
+from ftd.waiting import wait_for
 
 T0 = 1_800_000_000.0  # a fixed "now", 2027-01-15T08:00:00Z: tests move this clock, never sleep
 AWS_TIME = "2027-01-15T08:02:00Z"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftd.agent.training import hang_check
+from ftd.agent.torchrun_supervisor import hang_check
 from ftd.coordinator import rendezvous as rdzv
 
 W = ("a", "b")

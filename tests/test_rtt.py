@@ -29,8 +29,8 @@ from ftd.agent.rtt import (
     targets,
     world_from_nodes,
 )
-from ftd.testing import wait_for
 from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.waiting import wait_for
 
 COORD = "10.0.0.1:9400"
 

@@ -31,8 +31,8 @@ from ftd.etcd_client import EtcdTls, make_client
 from ftd.ftctl import drill
 from ftd.ftctl.cli import main
 from ftd.ftctl.localcluster import ClusterFile, stop, up
-from ftd.testing import wait_for
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ftd.waiting import wait_for
 
 pytestmark = pytest.mark.etcd
 

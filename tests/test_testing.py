@@ -1,4 +1,4 @@
-"""ftd.testing.wait_for: a condition that is not ready yet is retried; a bug fails at once."""
+"""ftd.waiting.wait_for: a condition that is not ready yet is retried; a bug fails at once."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ftd.testing import Timeout, wait_for
+from ftd.waiting import Timeout, wait_for
 
 
 def test_returns_the_first_truthy_value() -> None:

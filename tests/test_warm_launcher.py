@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import grpc
 import pytest
+from doubles import ManualClock
 
 from ftd import rpc
 from ftd.agent.launcher import (
@@ -54,8 +55,8 @@ from ftd.agent.warm_pool import (
 )
 from ftd.coordinator import rendezvous as rules
 from ftd.coordinator.jobs import round_info
-from ftd.testing import ManualClock, wait_for
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
+from ftd.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -693,7 +694,7 @@ def test_a_killed_node_is_replaced_from_warm_standbys(tmp_path: Path) -> None:
 
 
 def _node_client(cluster: Any, node: str) -> Any:
-    from ftd.coordinator.client import CoordinatorClient
+    from ftd.client import CoordinatorClient
 
     return CoordinatorClient(cluster.coordinator_endpoints, timeout_s=5.0, tls=cluster.identity("node", node))
 

@@ -74,7 +74,7 @@ from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
 from .cadence import CadencePolicy, decide
-from .handover import HandoverFlag, agree_any
+from .handover_stop import HandoverFlag, agree_any
 from .snapshot import Snapshotter
 
 log = logging.getLogger("ftd.training.checkpoint")

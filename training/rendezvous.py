@@ -46,7 +46,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from ftd.coordinator.client import CoordinatorClient
+from ftd.client import CoordinatorClient
 from ftd.pki import IdentityFiles, PkiError
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2

@@ -8,14 +8,14 @@ address each on a private /24 that overlaps nothing on this machine, with only t
 default route, no NAT, no forwarding), so lab traffic cannot leave the bridge. A consequence: the root
 namespace cannot reach lab addresses either; a client (``ftctl``, a test) runs in a lab host.
 
-Crash safety (:mod:`ftd.netlab_ledger`): everything is recorded in ``WORKDIR/netlab.json`` before it is
+Crash safety (:mod:`ftd.netlab.ledger`): everything is recorded in ``WORKDIR/netlab.json`` before it is
 created; ``teardown()`` and the next ``setup()`` on the same workdir remove what it lists. Names carry a
 per-lab prefix ``ftd<4 hex>``, so :func:`leftovers` can prove that nothing is left behind.
 
 Faults: partitions are nftables ``netdev`` tables on the host's own interface (ingress and egress hooks,
-rendered by :mod:`ftd.netlab_plan`), so a sender sees a silent loss like a cut cable, not a local EPERM,
+rendered by :mod:`ftd.netlab.plan`), so a sender sees a silent loss like a cut cable, not a local EPERM,
 and healing is deleting the table. Delay is ``tc netem`` on the host's interface; on a kernel without
-``sch_netem`` a userspace relay (:mod:`ftd.netlab_relay`) stands in the host's switch port.
+``sch_netem`` a userspace relay (:mod:`ftd.netlab.relay`) stands in the host's switch port.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftd.netlab_ledger import CommandError, Ledger, leftovers, purge, run, tool
-from ftd.netlab_plan import EVERYONE, Cut, NetlabError, host_address, parse_networks, pick_subnet, render_cut
+from ftd.netlab.ledger import CommandError, Ledger, leftovers, purge, run, tool
+from ftd.netlab.plan import EVERYONE, Cut, NetlabError, host_address, parse_networks, pick_subnet, render_cut
 
 __all__ = ["EVERYONE", "CommandError", "Cut", "Host", "Lab", "MissingPrivileges", "NetlabError",
            "check_privileges", "host_address", "leftovers", "missing_privileges", "pick_subnet", "purge",
@@ -41,7 +41,7 @@ __all__ = ["EVERYONE", "CommandError", "Cut", "Host", "Lab", "MissingPrivileges"
 _CAPS = {12: "CAP_NET_ADMIN", 21: "CAP_SYS_ADMIN"}
 _TOOLS = ("ip", "tc", "nft")
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
-_RELAY = Path(__file__).with_name("netlab_relay.py")
+_RELAY = Path(__file__).with_name("relay.py")
 
 
 class MissingPrivileges(NetlabError):
@@ -283,7 +283,7 @@ class Lab:
 
     def delay(self, host: Host, ms: float, jitter_ms: float = 0.0, backend: str = "auto") -> str:
         """Adds ``ms`` (± ``jitter_ms``) to every packet ``host`` sends, so to every round trip with it.
-        ``backend``: "netem", "relay" (userspace, :mod:`ftd.netlab_relay`) or "auto" (netem where the
+        ``backend``: "netem", "relay" (userspace, :mod:`ftd.netlab.relay`) or "auto" (netem where the
         kernel has it). Returns the backend used."""
         self.clear_delay(host)
         if backend in ("auto", "netem"):

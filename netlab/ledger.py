@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ftd.netlab_plan import NetlabError
+from ftd.netlab.plan import NetlabError
 
 STATE_FILE = "netlab.json"
 Entry = dict[str, Any]

@@ -30,7 +30,7 @@ from ftd.v1 import cluster_pb2
 
 from .supervisor import Supervisor
 
-log = logging.getLogger("ftd.agent.training")
+log = logging.getLogger("ftd.agent.torchrun_supervisor")
 
 
 @dataclass(frozen=True)

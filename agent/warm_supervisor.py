@@ -18,10 +18,10 @@ from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from .launcher import CoordinatorCalls, Launcher, State
 from .supervisor import Supervisor
-from .training import TrainingSupervisor, TrainSpec, signal_pids
+from .torchrun_supervisor import TrainingSupervisor, TrainSpec, signal_pids
 from .warm_pool import WarmPool, entry_from_cmd, standby_argv
 
-log = logging.getLogger("ftd.agent.training")
+log = logging.getLogger("ftd.agent.torchrun_supervisor")
 
 
 class WarmTrainingSupervisor(TrainingSupervisor):

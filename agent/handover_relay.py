@@ -25,7 +25,7 @@ from ftd.v1 import coordinator_pb2
 from .metrics import AgentMetrics
 from .preemption import Notice
 
-log = logging.getLogger("ftd.agent.handover")
+log = logging.getLogger("ftd.agent.handover_relay")
 
 # The smallest window the clouds give (GCE, Azure: about 30 s): without a deadline in the notice a
 # drain request is retried this long.

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-log = logging.getLogger("ftd.training.handover")
+log = logging.getLogger("ftd.training.handover_stop")
 
 
 def agree_any(flag: bool) -> bool:

@@ -1,7 +1,7 @@
 """The coordinator's metrics about bounded inputs and stored-state trust (issue 11), on the same
 registry as :class:`~.metrics.CoordinatorMetrics`.
 
-:func:`security_metrics` returns the one instance of a registry (made on first use), so every part
+:func:`guard_metrics` returns the one instance of a registry (made on first use), so every part
 of a replica that holds the registry reaches the same metric objects without new wiring. Every label
 value comes from a fixed set: :data:`ALARMS`, :data:`~.limits.RATE_LIMITED_METHODS`.
 """
@@ -18,7 +18,7 @@ from .limits import RATE_LIMITED_METHODS
 ALARMS = ("nospace", "corrupt")  # etcd's alarm types, as the label of ftd_coordinator_etcd_alarm
 
 
-class SecurityMetrics:
+class GuardMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = self.registry = registry
         self.corrupt_records = Gauge(
@@ -43,14 +43,14 @@ class SecurityMetrics:
         self.rate_limited.labels(method if method in RATE_LIMITED_METHODS else "other").inc()
 
 
-_instances: weakref.WeakKeyDictionary[CollectorRegistry, SecurityMetrics] = weakref.WeakKeyDictionary()
+_instances: weakref.WeakKeyDictionary[CollectorRegistry, GuardMetrics] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def security_metrics(registry: CollectorRegistry) -> SecurityMetrics:
-    """The :class:`SecurityMetrics` of ``registry`` (created and registered on first use)."""
+def guard_metrics(registry: CollectorRegistry) -> GuardMetrics:
+    """The :class:`GuardMetrics` of ``registry`` (created and registered on first use)."""
     with _lock:
         found = _instances.get(registry)
         if found is None:
-            found = _instances[registry] = SecurityMetrics(registry)
+            found = _instances[registry] = GuardMetrics(registry)
         return found

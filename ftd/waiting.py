@@ -1,11 +1,10 @@
-"""Helpers for tests, benchmarks and drills that wait on real processes: conditions with deadlines,
-never a bare sleep-and-hope."""
+"""Waiting on real processes with a deadline, never a bare sleep-and-hope: used by ``ftctl demo`` and
+``ftctl drill`` as much as by the tests, benchmarks and the chaos matrix, so it stays in the runtime
+package (the tests' own doubles live in ``tests/doubles.py``)."""
 
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -43,36 +42,3 @@ def wait_for(condition: Callable[[], T | None], timeout_s: float, what: str, int
             detail = f" (last error: {last!r})" if last is not None else ""
             raise Timeout(f"timed out after {timeout_s:g}s waiting for {what}{detail}")
         time.sleep(interval_s)
-
-
-class ManualClock:
-    """A clock that moves only when a test sets ``now``: timing decisions tested without sleeping."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def flipping_proxy(target: int, flip_at: int) -> tuple[socket.socket, threading.Thread]:
-    """A loopback proxy to ``target`` that inverts the byte at offset ``flip_at`` of the holder's stream."""
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def run() -> None:
-        conn, _ = listener.accept()
-        with conn, socket.create_connection(("127.0.0.1", target)) as up:
-            up.sendall(conn.recv(16))  # the transfer id
-            seen = 0
-            while data := bytearray(up.recv(1 << 16)):
-                if seen <= flip_at < seen + len(data):
-                    data[flip_at - seen] ^= 0xFF
-                seen += len(data)
-                try:
-                    conn.sendall(data)
-                except OSError:
-                    return  # the receiver gave up: expected once the altered record fails
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    return listener, worker

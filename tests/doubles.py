@@ -1,0 +1,40 @@
+"""Test doubles shared by the test modules: a clock that moves only when told, and a proxy that
+corrupts one byte of a stream (the receiver's checks must catch it)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class ManualClock:
+    """A clock that moves only when a test sets ``now``: timing decisions tested without sleeping."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def flipping_proxy(target: int, flip_at: int) -> tuple[socket.socket, threading.Thread]:
+    """A loopback proxy to ``target`` that inverts the byte at offset ``flip_at`` of the holder's stream."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn, socket.create_connection(("127.0.0.1", target)) as up:
+            up.sendall(conn.recv(16))  # the transfer id
+            seen = 0
+            while data := bytearray(up.recv(1 << 16)):
+                if seen <= flip_at < seen + len(data):
+                    data[flip_at - seen] ^= 0xFF
+                seen += len(data)
+                try:
+                    conn.sendall(data)
+                except OSError:
+                    return  # the receiver gave up: expected once the altered record fails
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    return listener, worker
