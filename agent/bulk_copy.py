@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ftd.checkpoints.layout import MANIFEST, ManifestError, ShardManifest, shard_prefix
-from ftd.storage_backends.base import StorageBackend
+from ftd.storage_backends.base import InPlace, StorageBackend
 
 from .landing import Slot
 
@@ -91,13 +91,12 @@ class Offer:
 def shard_files(backend: StorageBackend, job: str, step: int, rank: int) -> list[OfferedFile]:
     """The files of one published shard on a directory tier, manifest last, with the manifest's
     CRC32Cs (raises :class:`NotADirectoryTier`, :class:`CopyNotHere`)."""
-    root = getattr(backend, "root", None)
-    if not isinstance(root, Path):
+    if not isinstance(backend, InPlace):
         raise NotADirectoryTier(f"{backend.name} is no directory tier")
     prefix = shard_prefix(job, step, rank)
     if not backend.is_published(prefix, MANIFEST):
         raise CopyNotHere(f"{backend.name}: no published copy of {prefix}")
-    folder = root / prefix
+    folder = backend.folder_path(prefix)
     try:
         raw = (folder / MANIFEST).read_bytes()
         crcs = {f.name: f.crc32c for f in ShardManifest.decode(prefix, raw).files}

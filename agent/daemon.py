@@ -16,21 +16,27 @@ from typing import Any
 
 import grpc
 
-from ftd import metrics_http, pki, rpc, systemd
+from ftd import metrics_http, rpc, systemd
+from ftd.authz_interceptors import AuthzInterceptor, Guard
 from ftd.checkpoints.catalog import from_info
 from ftd.client import CoordinatorClient
+from ftd.identity import identity_of
 from ftd.logs import set_identity
-from ftd.storage_backends.tiers import LocalSpec, open_tiers, tiers_to_proto
+from ftd.storage_backends.memory import default_capacity
+from ftd.storage_backends.tiers import open_tiers
 from ftd.v1 import agent_pb2, cluster_pb2
 
-from . import health, health_checks, landing, rtt
+from . import landing, rtt, tiers_wire
 from .bulk_copy import BulkServer
 from .handover_relay import Handover
+from .health_measure import GpuSampler
+from .health_monitor import GpuFaults, HealthMonitor
+from .health_rules import Measurements
 from .heartbeat import Identity, Session
 from .landing import LandingReserve
-from .memory_tier import default_capacity, used_bytes
 from .metrics import AgentMetrics
 from .peer_copy import PeerFetcher
+from .peers import Buddy, address_of, buddy_of
 from .preemption import PreemptionWatcher
 from .replicator import ReplicationMetrics, Replicator
 from .rtt import RttMetrics, RttProber
@@ -62,22 +68,27 @@ class AgentDaemon:
         self.settings = settings
         self.node_id = settings.effective_node_id
         self.metrics = AgentMetrics()
-        # mTLS: this node's certificate (a bad one fails the start here, naming the file: pki.PkiError)
+        # mTLS: this node's certificate (a bad one fails the start here, naming the file: PkiError)
         self.identity = settings.identity
-        self.guard: rpc.Guard | None = None
+        self.guard: Guard | None = None
         if self.identity is not None:
-            own = pki.identity_of(self.identity.load().cert_pem)
+            own = identity_of(self.identity.load().cert_pem)
             assert own is not None  # load() checked that the certificate names node/<node_id>
-            self.guard = rpc.Guard(cluster=own.cluster, on_denied=self._denied)
+            self.guard = Guard(cluster=own.cluster, on_denied=self._denied)
         self.supervisor = Supervisor()
-        self.gpu = health.GpuProbe()
+        self.gpu = GpuSampler()  # the one NVML client; only the health monitor's thread queries it
+        self.health_monitor = HealthMonitor(settings.tiers, self.gpu, settings.health_thresholds,
+                                            GpuFaults(settings.workdir / "gpu-faults.json"), settings.health_interval_s,
+                                            settings.health_deadline_s, on_sample=self._on_health_sample)
         self._progress = cluster_pb2.Progress(step=-1)
         self.metrics.training_step.set(-1)
         self._progress_lock = threading.Lock()
         self._stop = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="ftd-agent-rpc"),
+        # Each rank's durable hop (CommitShard from memory: a copy of its shard) holds a worker while it
+        # runs: room for a node's ranks doing it at once, and the other calls beside them.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=24, thread_name_prefix="ftd-agent-rpc"),
                                   options=rpc.SERVER_OPTIONS,
-                                  interceptors=[rpc.AuthzInterceptor(self.guard)] if self.guard is not None else None)
+                                  interceptors=[AuthzInterceptor(self.guard)] if self.guard is not None else None)
         self.address = ""
         self.metrics_address = ""
         self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s,
@@ -93,11 +104,8 @@ class AgentDaemon:
         self.handover = Handover(self.node_id, lambda req: self.client.call("Drain", req, idempotent=True),
                                  self.metrics)
         self.preemption: PreemptionWatcher | None = None
-        self.xids = health_checks.XidMonitor(self.gpu.nvml) if self.gpu.available else None
         self.rtt = RttProber(RttMetrics(self.metrics.registry))
-        self._rtt_key: tuple[str, int] | None = None  # (leader, epoch) the probe targets were chosen for
-        self._rtt_at = -1e9
-        self._rtt_busy = threading.Lock()
+        self._rtt_key: tuple[str, int, bytes] | None = None  # (leader, epoch, peers) the targets were chosen for
         spool = settings.mem_path if self.tiering.mem is not None else settings.tiers["ssd"]
         listen_host = settings.listen.rpartition(":")[0].strip("[]")
         self.bulk = BulkServer(listen_host, settings.peer_copy_port) if settings.peer_copy_port >= 0 else None
@@ -111,21 +119,24 @@ class AgentDaemon:
                                  landing=self.landing)
         # Memory snapshots: pushed to the buddy (agent.replicator), a buddy's received (Agent.WriteShard).
         self.replicator = Replicator(
-            self.tiering.mem, self.node_id, lambda: self.client.nodes().nodes, self.peer_channel, self._catalog_call,
+            self.tiering.mem, self.node_id, self._buddy, self.peer_channel, self._catalog_call,
             ReplicationMetrics(self.metrics.registry), bandwidth_bytes_s=settings.replication_bandwidth_mb_s * 1e6,
         ) if self.tiering.mem is not None else None
 
     def _agent_of(self, node_id: str) -> str:
-        """The agent address of an alive node (the peer copy path), "" when unknown or gone."""
-        gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
-        for node in self.client.nodes().nodes:
-            if node.node_id == node_id:
-                return "" if node.state in gone else node.agent_address
-        return ""
+        """The agent address of a node that is neither dead nor fenced (the peer copy path), as the
+        coordinator's assignment names it; "" when unknown or gone."""
+        session = getattr(self, "session", None)
+        return address_of(session.assignment, node_id) if session is not None else ""
+
+    def _buddy(self) -> Buddy:
+        """The buddy the coordinator chose for this node (the replicator's target)."""
+        session = getattr(self, "session", None)
+        return buddy_of(session.assignment) if session is not None else Buddy(None, "not registered yet")
 
     def _maybe_plan_landing(self) -> None:
         """Plans the landing reserve again every :data:`LANDING_PLAN_S`, off the main loop (it reads
-        the catalog and the node list from the coordinator)."""
+        the catalog from the coordinator)."""
         if self.landing is None or self._landing_busy.locked() or time.monotonic() - self._landing_at < LANDING_PLAN_S:
             return
         self._landing_at = time.monotonic()
@@ -142,15 +153,15 @@ class AgentDaemon:
             if self.settings.role != "spare" or session is None or session.assignment.rank >= 0:
                 self.landing.set_target([])  # only a spare waits to pull a node's share of the world
                 return
+            in_world = session.assignment.world_size
             try:
                 records = [from_info(i) for i in self.client.checkpoints("")]
-                in_world = sum(1 for n in self.client.nodes().nodes if n.rank >= 0)
             except (grpc.RpcError, ConnectionError) as exc:
                 log.debug("landing reserve kept: cannot read the catalog (%s)", exc)
                 return
-            storage = self.tiering.mem.spec.storage if self.tiering.mem is not None else None
-            capacity = (storage.capacity_bytes if isinstance(storage, LocalSpec) else 0) or default_capacity()
-            room = capacity - (used_bytes(self.settings.mem_path) - self.landing.ready_bytes)
+            mem = self.tiering.mem.memory if self.tiering.mem is not None else None
+            capacity = (mem.capacity_bytes if mem is not None else 0) or default_capacity()
+            room = capacity - ((mem.used_bytes() if mem is not None else 0) - self.landing.ready_bytes)
             target, why = landing.plan(records, in_world, max(0, room))
             if sorted(target) != sorted(self.landing.wanted):
                 log.info("landing reserve: %d slot(s), %d MiB (%s)", len(target), sum(target) >> 20, why)
@@ -183,7 +194,7 @@ class AgentDaemon:
 
     def tiers_info(self) -> agent_pb2.Tiers:
         """The specs the tiering opened, for the training process to open the same tiers."""
-        return tiers_to_proto(self.node_id, (t.spec for t in self.tiering.tiers))
+        return tiers_wire.tiers_to_proto(self.node_id, (t.spec for t in self.tiering.tiers))
 
     def _publish_tier_metrics(self) -> None:
         st = self.tiering.stats
@@ -248,25 +259,32 @@ class AgentDaemon:
         with self._progress_lock:
             return self._progress
 
+    def _on_health_sample(self, sample: Measurements) -> None:
+        for tier, disk in sample.disks.items():
+            if not disk.error:
+                self.metrics.disk_free.labels(tier).set(disk.free_bytes)
+        for device in sample.gpus.devices:
+            if device.utilization_pct is not None:
+                self.metrics.gpu_utilization.labels(str(device.index)).set(device.utilization_pct / 100.0)
+
     def health(self) -> cluster_pb2.Health:
-        sample = health.sample(self.settings.tiers, self.gpu)
-        for disk in sample.disks:
-            self.metrics.disk_free.labels(disk.tier).set(disk.free_bytes)
-        if sample.HasField("gpu"):
-            for i, util in enumerate(sample.gpu.utilization_pct):
-                self.metrics.gpu_utilization.labels(str(i)).set(util / 100.0)
-        sample.verdict.CopyFrom(self.check_health())
+        """The latest sample and its verdict, judged now: never waits on a measurement (heartbeats)."""
+        sample = self.health_monitor.health()
+        if sample.HasField("verdict"):
+            sample.verdict.CopyFrom(self._verdict(sample.verdict))
         return sample
 
     def check_health(self) -> cluster_pb2.HealthVerdict:
-        """Measures and judges this node now; a node told it goes away (a preemption notice) is never
-        healthy: it must not be promoted while going."""
-        gpus = (health_checks.measure_gpus(self.gpu.nvml, self.xids) if self.gpu.available
-                else health_checks.GpuMeasurement(unavailable_reason="NVML not available"))
-        measured = health_checks.Measurements(health_checks.measure_disks(self.settings.tiers), gpus, None,
-                                              time.time())
-        report = health_checks.evaluate(measured, self.settings.health_thresholds)
-        verdict = health.verdict_proto(report)
+        """A fresh sample judged (``CheckHealth``), waiting for it at most ``health_deadline_s``."""
+        return self._verdict(self.health_monitor.check_now())
+
+    def clear_gpu_faults(self, reason: str) -> tuple[tuple[str, ...], cluster_pb2.HealthVerdict]:
+        cleared, verdict = self.health_monitor.clear_gpu_faults(reason)
+        return cleared, self._verdict(verdict)
+
+    def _verdict(self, verdict: cluster_pb2.HealthVerdict) -> cluster_pb2.HealthVerdict:
+        """A node told it goes away (a preemption notice) is never healthy: it must not be promoted
+        while going."""
         going = self.handover.going_away()
         if going:
             verdict.healthy, verdict.reason = False, going
@@ -349,6 +367,7 @@ class AgentDaemon:
             mhost, _, mport = s.metrics_listen.rpartition(":")
             server = metrics_http.serve(mhost, int(mport), self.metrics.registry, self._healthy, self._ready)
             self.metrics_address = f"{mhost}:{server.server_port}"
+        self.health_monitor.start()  # the first heartbeat carries a verdict (its first sample waited for)
         role = cluster_pb2.ROLE_ACTIVE if s.role == "active" else cluster_pb2.ROLE_SPARE
         self.session = Session(
             self.client, Identity(self.node_id, s.effective_host, role, dict(s.labels), self.address),
@@ -415,29 +434,17 @@ class AgentDaemon:
             watchdog.tick()
 
     def _maybe_retarget_rtt(self) -> None:
-        """Chooses the RTT probe targets again when the leader or the epoch changed, else once a minute;
-        the node list comes from the coordinator, so it is read off the main loop."""
+        """Chooses the RTT probe targets again when the leader, the epoch or the peers the coordinator
+        named (``Assignment.peers``: the buddy, the addresses) changed; all of it is in the assignment."""
         session = getattr(self, "session", None)
         if session is None:
             return
-        key = (session.leader_address, session.assignment.epoch)
-        if (key == self._rtt_key and time.monotonic() - self._rtt_at < 60.0) or self._rtt_busy.locked():
+        assignment = session.assignment
+        key = (session.leader_address, assignment.epoch, assignment.peers.SerializeToString(deterministic=True))
+        if key == self._rtt_key:
             return
-        self._rtt_key, self._rtt_at = key, time.monotonic()
-        threading.Thread(target=self._retarget_rtt, args=(key[0],), name="ftd-rtt-targets", daemon=True).start()
-
-    def _retarget_rtt(self, leader: str) -> None:
-        with self._rtt_busy:
-            try:
-                nodes = list(self.client.nodes().nodes)
-            except (grpc.RpcError, ConnectionError) as exc:
-                log.debug("RTT targets kept: cannot list nodes (%s)", exc)
-                self._rtt_key = None
-                return
-            label = "rack"
-            world = list(self.session.assignment.world) or rtt.world_from_nodes(nodes)
-            self.rtt.set_targets(rtt.plan(self.node_id, self.settings.labels.get(label, ""),
-                                          rtt.peers_from_nodes(nodes, label), world, leader))
+        self._rtt_key = key
+        self.rtt.set_targets(rtt.plan(self.node_id, assignment, session.leader_address))
 
     def stop(self) -> None:
         log.info("stopping agent %s", self.node_id)
@@ -446,6 +453,7 @@ class AgentDaemon:
         if self.training is not None:
             self.training.stop("the agent is stopping")
         self.session.stop()
+        self.health_monitor.stop(timeout_s=2.0)
         self.rtt.stop(timeout_s=2.0)
         if self.preemption is not None:
             self.preemption.stop(timeout_s=2.0)

@@ -23,7 +23,7 @@ from ftd.rpc import describe
 from ftd.v1 import coordinator_pb2
 
 from .metrics import AgentMetrics
-from .preemption import Notice
+from .preemption_notices import Notice
 
 log = logging.getLogger("ftd.agent.handover_relay")
 

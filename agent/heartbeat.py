@@ -3,6 +3,7 @@
 Reconnects with jittered exponential backoff (tenacity) and follows the leader named by a standby's
 refusal. Whatever happens to coordinators (restart, failover, etcd outage) the agent keeps trying;
 it never gives up on its own. The latest assignment is kept here and handed to ``on_assignment``.
+Health is not sampled here: ``health`` hands over the sampling thread's latest (agent.health_monitor).
 """
 
 from __future__ import annotations
@@ -152,17 +153,14 @@ class Session:
         self._apply(resp.assignment)
 
     def _requests(self) -> Iterator[coordinator_pb2.HeartbeatRequest]:
+        """Every beat carries the latest health: ``health`` returns what its sampling thread last
+        measured, judged now, and never waits on a measurement (a hung NVML call must not stop beats)."""
         seq = 0
-        last_health = 0.0
-        health = self.health()
         while not self._stop.is_set():
-            now = time.monotonic()
-            if now - last_health >= 5 * self.interval_s:
-                health, last_health = self.health(), now
             seq += 1
             yield coordinator_pb2.HeartbeatRequest(
                 node_id=self.identity.node_id, incarnation=self.incarnation, known_epoch=self.assignment.epoch,
-                health=health, progress=self.progress(), seq=seq,
+                health=self.health(), progress=self.progress(), seq=seq,
             )
             self.on_heartbeat()
             if self._stop.wait(self.interval_s):
@@ -217,6 +215,8 @@ class Session:
         old = self.assignment
         if not assignment.world and assignment.epoch == old.epoch:
             assignment.world.extend(old.world)  # the world is only sent when the epoch changes
+        if not assignment.HasField("peers") and old.HasField("peers"):
+            assignment.peers.CopyFrom(old.peers)  # the buddy and the addresses: only sent when they change
         self.assignment = assignment
         if (assignment.epoch, assignment.rank, assignment.fenced) != (old.epoch, old.rank, old.fenced):
             log.info("assignment: epoch %d, rank %d of %d%s", assignment.epoch, assignment.rank,

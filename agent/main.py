@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from ftd import logs
-from ftd.pki import PkiError
+from ftd.identity import PkiError
 from ftd.settings import load_or_exit
 
 from . import service

@@ -1,15 +1,20 @@
 """The peer copy path: one agent streams a published shard copy from one of its tiers to another
-agent, which writes it into a local directory and verifies it before anybody loads it.
+agent, which writes it into its spool and verifies it before anybody loads it.
 
 A spare that inherits a dead rank's shard, on a cluster whose slower tiers are node-local, can only
 find that shard on a surviving node (a replica in its memory tier, a copy on its SSD). Streaming
 through the agents keeps the training process out of the network path and lets the agents'
 identities (mTLS) authorise it. Every file carries its CRC32C, computed by the sender while reading
 and checked by the receiver while writing; the catalog's checksums are checked on top when known.
+The receiver writes through :func:`ftd.checkpoints.copy.copy_shard` (whichever transport: the gRPC
+stream, :class:`ChunkSource`, or the fast path of :mod:`.bulk_copy`), so a pulled copy lands in the
+spool laid out as on any tier (``<spool>/<job>/step-…/rank-…/``) and appears only once complete and
+checked; a buddy's pushed replica (:mod:`.replicator`) arrives the same way.
 
-Failures keep their meaning, because restore depends on it: a peer that cannot be reached is
-:class:`PeerUnreachable` (the copy is skipped, never recorded corrupt); bytes that arrive wrong are
-:class:`CopyCorrupt`; a copy the peer does not hold is :class:`CopyMissing`.
+Failures keep their meaning, because restore depends on it (:mod:`.errors` holds the classes and
+the status codes they travel as): a peer that cannot be reached is :class:`PeerUnreachable` (the
+copy is skipped, never recorded corrupt); bytes that arrive wrong are :class:`CopyCorrupt`; a copy
+the peer does not hold is :class:`CopyMissing`.
 """
 
 from __future__ import annotations
@@ -28,44 +33,31 @@ from typing import Any
 
 import grpc
 
+from ftd.checkpoints.copy import CopyMismatch, Expected, Landed, copy_shard
 from ftd.checkpoints.layout import (
     MANIFEST,
     BadIdentifier,
     ManifestError,
     ShardManifest,
+    check_file_name,
     check_job,
     check_rank,
     check_step,
     shard_prefix,
 )
-from ftd.rpc import describe, parse_hostport, rpc_code
-from ftd.storage_backends.base import Crc32c, ObjectNotFound, StorageBackend, StorageError
+from ftd.rpc import describe, parse_hostport
+from ftd.storage_backends.base import Crc32c, ObjectInfo, ObjectNotFound, Staging, StorageBackend, StorageError
+from ftd.storage_backends.local import LocalBackend
 from ftd.v1 import agent_pb2
 
 from . import bulk_copy
+from .errors import AgentError, CopyCorrupt, CopyMissing, PeerCopyError, PeerUnreachable, peer_error
 from .landing import LandingReserve
 
 log = logging.getLogger("ftd.agent.peer_copy")
 
 CHUNK_BYTES = 1 << 20  # per message: well under gRPC's 4 MiB default, large enough for full speed
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.UNAUTHENTICATED)
-
-
-class PeerCopyError(Exception):
-    pass
-
-
-class PeerUnreachable(PeerCopyError):
-    """The node holding the copy did not answer: skip the copy, it may well be intact."""
-
-
-class CopyMissing(PeerCopyError):
-    """The node answered that it does not hold the copy (retention removed it, or it never did)."""
-
-
-class CopyCorrupt(PeerCopyError):
-    """The copy arrived, and its bytes do not match their checksum."""
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest arriving on a chunk stream is read into memory: bounded
 
 
 @dataclass(frozen=True)
@@ -125,86 +117,142 @@ def _file_chunks(backend: StorageBackend, key: str, name: str, chunk_bytes: int,
         raise CopyMissing(str(exc)) from exc
 
 
-def receive_shard(chunks: Iterable[agent_pb2.ShardChunk], dest: Path,
-                  expected: Mapping[str, tuple[int, str]] | None = None) -> int:
-    """Writes the streamed files into ``dest`` (a fresh directory), each to a temporary name renamed
-    once its CRC32C matched; returns the bytes received. ``expected`` (name → (size, crc32c) from the
-    catalog) must be met too."""
-    dest.mkdir(parents=True, exist_ok=True)
-    total = 0
-    out = None
-    crc = Crc32c()
-    name = ""
-    try:
-        for chunk in chunks:
-            if out is None:
-                name = _safe_name(chunk.name)
-                out = open(dest / f".{name}.part", "wb")  # noqa: SIM115 - closed at the file's last chunk
-                crc = Crc32c()
-            elif chunk.name != name:
-                raise CopyCorrupt(f"{name}: the stream moved to {chunk.name!r} before the file ended")
-            out.write(chunk.data)
-            crc.update(chunk.data)
-            total += len(chunk.data)
+class ChunkSource:
+    """A ``ShardChunk`` stream (``ReadShard``'s answer, ``WriteShard``'s body) as a
+    :class:`~ftd.checkpoints.copy.ShardSource`: the files one after the other, each read as it
+    arrives and closed by the CRC32C its sender read, the manifest last. A stream that breaks its
+    framing is :class:`~.errors.CopyCorrupt`; a file name, a repeated file or a manifest that no
+    sender may send is ``malformed`` (a pushed replica answers it as a bad request). ``budget`` is
+    told every chunk's size (and may refuse it)."""
+
+    def __init__(self, chunks: Iterable[agent_pb2.ShardChunk], where: str,
+                 malformed: type[AgentError] = CopyCorrupt, budget: Callable[[int], None] | None = None) -> None:
+        self.chunks = iter(chunks)
+        self.where = where
+        self.malformed = malformed
+        self.budget = budget
+        self.raw_manifest: bytes | None = None
+
+    def write(self, staging: Staging, landed: Landed) -> None:
+        seen: set[str] = set()
+        for first in self.chunks:
+            stream = _FileStream(first, self.chunks, self.budget)
+            if first.name == MANIFEST:
+                raw = b""
+                while block := stream.read():
+                    raw += block
+                    if len(raw) > MAX_MANIFEST_BYTES:
+                        raise self.malformed(f"the manifest from {self.where} is too large")
+                self.raw_manifest = raw
+                return  # the manifest comes last
+            try:
+                check_file_name(first.name)
+            except BadIdentifier as exc:
+                raise self.malformed(f"refusing the file name {first.name[:100]!r}") from exc
+            if first.name in seen:
+                raise self.malformed(f"{first.name}: sent twice")
+            seen.add(first.name)
+            landed(first.name, staging.put_stream(first.name, stream), stream.sent_crc)  # type: ignore[arg-type]
+
+    def manifest(self, received: Expected) -> bytes:
+        if self.raw_manifest is None:
+            raise CopyCorrupt(f"the copy from {self.where} has no manifest")
+        return self.raw_manifest
+
+
+
+class _FileStream:
+    """One file of a chunk stream, as a readable stream for :meth:`Staging.put_stream`."""
+
+    def __init__(self, first: agent_pb2.ShardChunk, rest: Iterator[agent_pb2.ShardChunk],
+                 budget: Callable[[int], None] | None) -> None:
+        self.name = first.name
+        self._next: agent_pb2.ShardChunk | None = first
+        self._rest = rest
+        self._budget = budget
+        self.sent_crc = ""
+        self.done = False
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.done:
+            chunk = self._next
+            self._next = None
+            if chunk is None:
+                chunk = next(self._rest, None)
+                if chunk is None:
+                    raise CopyCorrupt(f"{self.name}: the stream ended inside the file")
+            if chunk.name != self.name:
+                raise CopyCorrupt(f"{self.name}: the stream moved to {chunk.name[:100]!r} before the file ended")
+            if self._budget is not None:
+                self._budget(len(chunk.data))
             if chunk.end_of_file:
-                out.flush()
-                os.fsync(out.fileno())
-                out.close()
-                out = None
-                got = crc.hexdigest()
-                if got != chunk.crc32c:
-                    raise CopyCorrupt(f"{name}: received crc32c {got}, the sender read {chunk.crc32c}")
-                if expected is not None and name in expected and expected[name][1] != got:
-                    raise CopyCorrupt(f"{name}: crc32c {got}, the catalog says {expected[name][1]}")
-                os.replace(dest / f".{name}.part", dest / name)
-    finally:
-        if out is not None:
-            out.close()
-    if out is None and name and expected is not None:
-        missing = sorted(set(expected) - {p.name for p in dest.iterdir()})
-        if missing:
-            raise CopyCorrupt(f"the copy lacks {', '.join(missing)}")
-    return total
+                self.done, self.sent_crc = True, chunk.crc32c
+            if chunk.data:
+                return bytes(chunk.data)
+        return b""
 
 
-def _safe_name(name: str) -> str:
-    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
-        raise CopyCorrupt(f"refusing the file name {name!r}")
-    return name
+def receive_shard(chunks: Iterable[agent_pb2.ShardChunk], spool: LocalBackend, prefix: str,
+                  expected: Mapping[str, tuple[int, str]] | None = None) -> int:
+    """Writes a streamed copy into ``spool``'s folder ``prefix`` (:func:`~ftd.checkpoints.copy.copy_shard`:
+    published only once every file matched what its sender read and ``expected``, name → (size,
+    crc32c) from the catalog); returns the bytes received."""
+    try:
+        return copy_shard(ChunkSource(chunks, f"the stream of {prefix}"), spool, prefix, expected,
+                          says="the catalog").bytes
+    except CopyMismatch as exc:
+        raise CopyCorrupt(str(exc)) from exc
 
 
 def fetch_shard(read_shard: Callable[[agent_pb2.ReadShardRequest], Iterable[agent_pb2.ShardChunk]],
-                request: agent_pb2.ReadShardRequest, dest: Path,
+                request: agent_pb2.ReadShardRequest, spool: LocalBackend,
                 expected: Mapping[str, tuple[int, str]] | None = None) -> Fetched:
     """Pulls one copy from a peer agent (``read_shard`` is its stub's ``ReadShard`` with a deadline
-    bound in) into ``dest``; on any failure ``dest`` is removed and the error says which kind."""
+    bound in) into ``spool`` (:func:`~ftd.checkpoints.layout.shard_prefix`); on any failure nothing
+    of it is left there and the error says which kind."""
     started = time.perf_counter()
-    if dest.exists():
-        shutil.rmtree(dest)
+    prefix = shard_prefix(request.job, request.step, request.rank)
     try:
-        nbytes = receive_shard(read_shard(request), dest, expected)
+        nbytes = receive_shard(read_shard(request), spool, prefix, expected)
     except grpc.RpcError as exc:
-        shutil.rmtree(dest, ignore_errors=True)
-        code = rpc_code(exc)
-        if code in _UNREACHABLE:
-            raise PeerUnreachable(describe(exc)) from exc
-        if code is grpc.StatusCode.NOT_FOUND:
-            raise CopyMissing(describe(exc)) from exc
-        if code is grpc.StatusCode.DATA_LOSS:
-            raise CopyCorrupt(describe(exc)) from exc
-        raise PeerCopyError(describe(exc)) from exc
-    except (PeerCopyError, OSError, StorageError):
-        shutil.rmtree(dest, ignore_errors=True)
-        raise
-    if not (dest / MANIFEST).exists():
-        shutil.rmtree(dest, ignore_errors=True)
-        raise CopyCorrupt(f"the copy of {request.job} step {request.step} rank {request.rank} has no manifest")
-    return Fetched(dest, nbytes, time.perf_counter() - started)
+        err = peer_error(exc)
+        raise (err if isinstance(err, PeerCopyError) else PeerCopyError(describe(exc))) from exc
+    return Fetched(spool.folder_path(prefix), nbytes, time.perf_counter() - started)
+
+
+class _BulkSource:
+    """The fast path's files (:func:`.bulk_copy.receive`: every file's CRC32C checked as it lands,
+    against ``expected`` or else the holder's manifest) landed straight into the staging's
+    directory, so that a prepared slot of the landing reserve is renamed into place, not copied."""
+
+    def __init__(self, host: str, offer: agent_pb2.OpenShardResponse, expected: Mapping[str, tuple[int, str]] | None,
+                 timeout_s: float, landing: LandingReserve | None) -> None:
+        self.host, self.offer, self.expected, self.timeout_s, self.landing = host, offer, expected, timeout_s, landing
+        self.where = f"{host}:{offer.port}"
+        self.bytes = 0
+        self._dir: Path | None = None
+
+    def write(self, staging: Staging, landed: Landed) -> None:
+        self._dir = staging.local_dir()
+        files = [(f.name, f.size, f.crc32c) for f in self.offer.files]
+        self.bytes = bulk_copy.receive(self.host, self.offer.port, self.offer.transfer, self.offer.key, files,
+                                       self._dir, self.expected, self.offer.chunk_bytes or bulk_copy.CHUNK_BYTES,
+                                       self.timeout_s, self.landing.take if self.landing is not None else None)
+        for name, size, holder_crc in files:
+            if name != MANIFEST:
+                checked = (self.expected or {}).get(name, (size, holder_crc))[1] or holder_crc
+                landed(name, ObjectInfo(name, size, time.time(), checked or None), None)
+
+    def manifest(self, received: Expected) -> bytes:
+        if self._dir is None or not (self._dir / MANIFEST).is_file():
+            raise bulk_copy.BulkError(f"the copy from {self.where} has no manifest")
+        return (self._dir / MANIFEST).read_bytes()
 
 
 class PeerFetcher:
     """The receiving side for this node's training processes: finds the agent of the node holding a
-    copy (through the coordinator's node list), pulls the copy into ``spool`` and answers where."""
+    copy (by the addresses in this node's assignment, :func:`.peers.address_of`), pulls the copy into
+    ``spool`` and answers where."""
 
     def __init__(self, node_agent: Callable[[str], str], open_channel: Callable[[str], grpc.Channel], spool: Path,
                  timeout_s: float = 120.0, fast: bool = True,
@@ -212,10 +260,13 @@ class PeerFetcher:
         self.node_agent = node_agent  # node id -> its agent's address ("" when unknown or gone)
         self.open_channel = open_channel
         self.spool = spool
+        self.copies = LocalBackend(spool)  # pulled copies, laid out as on any tier (layout.shard_prefix)
         self.timeout_s = timeout_s
         self.fast = fast  # try the holder's fast path (OpenShard, ftd.agent.bulk_copy) before ReadShard
         self.landing = landing  # prepared room for the fast path (ftd.agent.landing)
         shutil.rmtree(spool / _TRASH, ignore_errors=True)  # what an earlier run left being freed
+        with contextlib.suppress(StorageError):
+            self.copies.cleanup("", older_than_s=0.0)  # pulls an earlier run left half-done
 
     def fetch(self, request: agent_pb2.FetchShardRequest) -> Fetched:
         try:
@@ -235,7 +286,6 @@ class PeerFetcher:
                 threading.Thread(target=_remove_all, args=(stale,), name="ftd-peer-copy-free", daemon=True).start()
 
     def _fetch(self, request: agent_pb2.FetchShardRequest, address: str) -> Fetched:
-        dest = self.spool / request.job / f"step-{request.step}" / f"rank-{request.rank}-{request.location}"
         read = agent_pb2.ReadShardRequest(job=request.job, step=request.step, rank=request.rank, tier=request.tier)
         expected = {f.name: (f.size, f.crc32c) for f in request.expected} or None
         with self.open_channel(address) as channel:
@@ -244,14 +294,14 @@ class PeerFetcher:
             stub = agent_pb2_grpc.AgentStub(channel)
             if self.fast:
                 try:
-                    return self._fetch_fast(stub, address, read, dest, expected)
+                    return self._fetch_fast(stub, address, read, expected)
                 except bulk_copy.BulkError as exc:
                     log.warning("fast copy of %s step %d rank %d from %s failed, using the gRPC stream: %s",
                                 request.job, request.step, request.rank, request.location, exc)
-            got = fetch_shard(lambda req: stub.ReadShard(req, timeout=self.timeout_s), read, dest, expected)
+            got = fetch_shard(lambda req: stub.ReadShard(req, timeout=self.timeout_s), read, self.copies, expected)
             return replace(got, verified=expected is not None)
 
-    def _fetch_fast(self, stub: Any, address: str, read: agent_pb2.ReadShardRequest, dest: Path,
+    def _fetch_fast(self, stub: Any, address: str, read: agent_pb2.ReadShardRequest,
                     expected: Mapping[str, tuple[int, str]] | None) -> Fetched:
         """``OpenShard`` (over mTLS), then the files on the holder's dedicated connection; a
         :class:`~.bulk_copy.BulkError` means: fall back to the gRPC stream."""
@@ -259,27 +309,18 @@ class PeerFetcher:
         try:
             offer = stub.OpenShard(read, timeout=30.0)
         except grpc.RpcError as exc:
-            code = rpc_code(exc)
-            if code in _UNREACHABLE:
-                raise PeerUnreachable(describe(exc)) from exc
-            if code is grpc.StatusCode.NOT_FOUND:
-                raise CopyMissing(describe(exc)) from exc
-            if code is grpc.StatusCode.DATA_LOSS:
-                raise CopyCorrupt(describe(exc)) from exc
+            err = peer_error(exc)
+            if isinstance(err, PeerCopyError):
+                raise err from exc
             raise bulk_copy.BulkError(describe(exc)) from exc  # e.g. UNIMPLEMENTED: an older holder
-        if dest.exists():
-            shutil.rmtree(dest)
+        prefix = shard_prefix(read.job, read.step, read.rank)
+        source = _BulkSource(parse_hostport(address)[0], offer, expected, self.timeout_s, self.landing)
         try:
-            nbytes = bulk_copy.receive(parse_hostport(address)[0], offer.port, offer.transfer, offer.key,
-                                       [(f.name, f.size, f.crc32c) for f in offer.files], dest, expected,
-                                       offer.chunk_bytes or bulk_copy.CHUNK_BYTES, self.timeout_s,
-                                       self.landing.take if self.landing is not None else None)
-            if not (dest / MANIFEST).exists():
-                raise bulk_copy.BulkError(f"the copy of {read.job} step {read.step} rank {read.rank} has no manifest")
-        except BaseException:
-            shutil.rmtree(dest, ignore_errors=True)
-            raise
-        return Fetched(dest, nbytes, time.perf_counter() - started, verified=expected is not None)
+            copy_shard(source, self.copies, prefix, expected, says="the catalog")
+        except CopyMismatch as exc:  # checked by the receive already: only a bug gets here
+            raise bulk_copy.BulkError(str(exc)) from exc
+        return Fetched(self.copies.folder_path(prefix), source.bytes, time.perf_counter() - started,
+                       verified=expected is not None)
 
     def _forget(self, job: str, rank: int, incoming: int | None) -> list[Path]:
         """Earlier copies of this rank in the spool go before a new one comes (the spool may be the
@@ -287,7 +328,7 @@ class PeerFetcher:
         spool has room for the ``incoming`` bytes besides them, they are only moved aside here and
         returned, to be freed once the new copy is in (freeing a GiB of tmpfs costs a CPU about
         0.15 s, which a restore need not wait for); otherwise they are removed now."""
-        old = list((self.spool / job).glob(f"step-*/rank-{rank}-*"))
+        old = list((self.spool / job).glob(f"step-*/rank-{rank:05d}"))
         if not old:
             return []
         trash = self.spool / _TRASH

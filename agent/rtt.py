@@ -10,8 +10,9 @@ lost probe (``ftd_agent_peer_probe_failures_total``), never an RTT.
 
 Whom to probe (:func:`targets`): the coordinator (label ``coordinator``), the node's rank neighbours in
 the world (rank-1 and rank+1, wrapping: the ring neighbours of a ring all-reduce) and its buddy (the
-peer holding its in-memory replicas, :func:`ftd.agent.buddy.choose_buddy`), deduplicated, at most 4, so
-the ``peer`` label stays a small bounded set (node ids and ``coordinator``).
+peer holding its in-memory replicas), deduplicated, at most 4, so the ``peer`` label stays a small
+bounded set (node ids and ``coordinator``). The neighbours' and the buddy's addresses are the ones the
+coordinator sends in the node's assignment (:func:`plan`).
 
 What the figure means: through both kernels' TCP stacks and a Python thread (its wake-up after
 ``connect()`` returns, the GIL) a warmed-up handshake on loopback, with no network at all, already takes
@@ -31,9 +32,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.v1 import cluster_pb2
 
-from .buddy import Peer, choose_buddy
+from .peers import Peer, buddy_of, ranked
 
 log = logging.getLogger("ftd.agent.rtt")
 
@@ -106,30 +107,13 @@ def targets(me: str, world: Sequence[Peer], buddy: Peer | None, coordinator: str
     return chosen
 
 
-def plan(me: str, my_domain: str, peers: Sequence[Peer], world: Sequence[str], coordinator: str,
-         domain_label: str = "rack") -> list[Target]:
-    """:func:`targets` from what the agent knows: ``peers`` every node of the cluster (from the
-    coordinator's ListNodes: node id, the failure-domain label's value, alive, agent address), ``world``
-    the node ids by rank (the assignment's world), ``coordinator`` the leader's address. The buddy is
-    :func:`choose_buddy` over ``peers``; a node id of ``world`` unknown to ``peers`` counts as not alive."""
-    by_id = {p.node_id: p for p in peers}
-    buddy = choose_buddy(me, my_domain, peers, domain_label).node_id
-    ranked = [by_id.get(node_id, Peer(node_id, "", alive=False)) for node_id in world]
-    return targets(me, ranked, by_id.get(buddy) if buddy else None, coordinator)
-
-
-def peers_from_nodes(nodes: Iterable[coordinator_pb2.NodeInfo], domain_label: str = "rack") -> list[Peer]:
-    """The coordinator's ListNodes answer as :class:`Peer`s for :func:`plan`: a dead or fenced node is not
-    alive (a suspect one still is, as for the peer copy path), the domain is the node's ``domain_label``
-    label."""
-    gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
-    return [Peer(n.node_id, n.labels.get(domain_label, ""), n.state not in gone, n.agent_address) for n in nodes]
-
-
-def world_from_nodes(nodes: Iterable[coordinator_pb2.NodeInfo]) -> list[str]:
-    """The node ids by rank from ListNodes (``rank`` >= 0): the world when the assignment does not carry
-    it (``Assignment.world`` is empty above 256 ranks)."""
-    return [n.node_id for n in sorted((n for n in nodes if n.rank >= 0), key=lambda n: n.rank)]
+def plan(me: str, assignment: cluster_pb2.Assignment, coordinator: str) -> list[Target]:
+    """:func:`targets` from node ``me``'s assignment: the world in rank order with the addresses the
+    coordinator sent (``Assignment.peers``: a rank it names no address for, a dead or fenced node, counts
+    as not alive), the buddy it chose, and ``coordinator``, the leader's address."""
+    buddy = buddy_of(assignment)
+    told = Peer(buddy.node_id, buddy.address, bool(buddy.address)) if buddy.node_id else None
+    return targets(me, ranked(me, assignment), told, coordinator)
 
 
 # ---- the probe ---------------------------------------------------------------------------------------------

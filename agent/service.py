@@ -1,16 +1,22 @@
-"""The agent's gRPC service: the training process's local endpoint and the operator's drill handle."""
+"""The agent's gRPC service: the training process's local endpoint and the operator's drill handle.
+
+Handlers raise :mod:`.errors`; :func:`answers` translates them once into the status their table
+gives (a forwarded coordinator answer keeps its own).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
+import inspect
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 
@@ -19,7 +25,7 @@ from ftd.rpc import rpc_code, rpc_details
 from ftd.storage_backends.base import StorageError
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
-from . import bulk_copy, peer_copy, replicator
+from . import bulk_copy, errors, peer_copy
 from .torchrun_supervisor import signal_pids
 
 if TYPE_CHECKING:
@@ -31,6 +37,29 @@ FAILURE_KINDS = frozenset({"disk_full", "memory_full", "io", "error", "checksum"
 # Without a leader for longer than this, a durable commit fails at once: a failover takes a few seconds,
 # an etcd outage longer, and waiting out the deadline of a commit that can only fail stalls the training.
 DURABLE_COMMIT_GRACE_S = 5.0
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def answers(handler: F) -> F:
+    """Wraps a handler (unary, or a response stream) so that an :class:`~.errors.AgentError` it
+    raises ends the call with :func:`~.errors.grpc_code`'s status and the error's message."""
+    if inspect.isgeneratorfunction(handler):
+        @functools.wraps(handler)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from handler(self, request, context)
+            except errors.AgentError as exc:
+                context.abort(errors.grpc_code(exc), str(exc))
+        return cast(F, stream)
+
+    @functools.wraps(handler)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return handler(self, request, context)
+        except errors.AgentError as exc:
+            context.abort(errors.grpc_code(exc), str(exc))
+            raise AssertionError("unreachable") from exc  # context.abort raises
+    return cast(F, unary)
 
 
 def bearer_token(context: grpc.ServicerContext) -> str:
@@ -47,6 +76,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     def GetInfo(self, request: agent_pb2.GetInfoRequest, context: grpc.ServicerContext) -> agent_pb2.AgentInfo:
         return self.daemon.info()
 
+    @answers
     def ReportProgress(self, request: agent_pb2.ReportProgressRequest,
                        context: grpc.ServicerContext) -> agent_pb2.ReportProgressResponse:
         if request.HasField("checkpoint"):
@@ -58,9 +88,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         if not request.HasField("progress") and (request.checkpoint_error or request.HasField("checkpoint")):
             return self._progress_answer()
         if not request.HasField("progress"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "progress: is required")
+            raise errors.BadRequest("progress: is required")
         if request.progress.step < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"progress.step: must be >= 0, got {request.progress.step}")
+            raise errors.BadRequest(f"progress.step: must be >= 0, got {request.progress.step}")
         self.daemon.report_progress(request.progress)
         return self._progress_answer()
 
@@ -69,43 +99,44 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         return agent_pb2.ReportProgressResponse(assignment=self.daemon.session.assignment,
                                                 handover=bool(pending.nodes), handover_reason=pending.reason)
 
+    @answers
     def ReadShard(self, request: agent_pb2.ReadShardRequest,
                   context: grpc.ServicerContext) -> Iterator[agent_pb2.ShardChunk]:
         tier = next((t for t in self.daemon.tiering.tiers if t.name == request.tier), None)
         if tier is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"tier {request.tier[:40]!r}: not a tier of this node")
+            raise errors.CopyMissing(f"tier {request.tier[:40]!r}: not a tier of this node")
         try:
             yield from peer_copy.serve_shard(tier.backend, check_job(request.job), check_step(request.step),
                                              check_rank(request.rank))
         except BadIdentifier as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except peer_copy.CopyMissing as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except peer_copy.CopyCorrupt as exc:  # corrupt at rest here: only this node may record its copy
+            raise errors.BadRequest(str(exc)) from exc
+        except errors.CopyCorrupt as exc:  # corrupt at rest here: only this node may record its copy
             with contextlib.suppress(grpc.RpcError, ConnectionError):
                 self.daemon.client.call("RecordCopy", checkpoint_pb2.RecordCopyRequest(
                     job=request.job, step=request.step, rank=request.rank, tier=tier.name, location=tier.location,
                     present=True, corrupt_reason=str(exc)[:400]), idempotent=True)
-            context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+            raise
         except (StorageError, OSError) as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"tier {tier.name}: {exc}")
+            raise errors.TierUnavailable(f"tier {tier.name}: {exc}") from exc
 
+    @answers
     def OpenShard(self, request: agent_pb2.ReadShardRequest,
                   context: grpc.ServicerContext) -> agent_pb2.OpenShardResponse:
         """The fast path of ReadShard: one copy offered on the dedicated connection (agent.bulk_copy)."""
         tier = next((t for t in self.daemon.tiering.tiers if t.name == request.tier), None)
-        if tier is None or self.daemon.bulk is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED if tier is not None else grpc.StatusCode.NOT_FOUND,
-                          f"tier {request.tier[:40]!r}: no fast copy from this node")
+        if tier is None:
+            raise errors.CopyMissing(f"tier {request.tier[:40]!r}: no fast copy from this node")
+        if self.daemon.bulk is None:
+            raise errors.NoFastCopy(f"tier {request.tier[:40]!r}: no fast copy from this node")
         try:
             files = bulk_copy.shard_files(tier.backend, check_job(request.job), check_step(request.step),
                                           check_rank(request.rank))
         except BadIdentifier as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise errors.BadRequest(str(exc)) from exc
         except bulk_copy.NotADirectoryTier as exc:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+            raise errors.NoFastCopy(str(exc)) from exc
         except bulk_copy.CopyNotHere as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise errors.CopyMissing(str(exc)) from exc
         # Not hashed here: the receiver checks every byte, and on a mismatch falls back to ReadShard,
         # which checks this node's copy and records it corrupt (only this node may).
         port, offer = self.daemon.bulk.offer(files)
@@ -113,31 +144,26 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             port=port, transfer=offer.transfer, key=offer.key, chunk_bytes=self.daemon.bulk.chunk_bytes,
             files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files])
 
+    @answers
     def WriteShard(self, request_iterator: Iterator[agent_pb2.WriteShardChunk],
                    context: grpc.ServicerContext) -> agent_pb2.WriteShardResponse:
         """A buddy's memory snapshot into this node's memory tier (agent.replicator.receive_replica)."""
         if self.daemon.replicator is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self.daemon.node_id} has no memory tier")
+            raise errors.NodeCannot(f"node {self.daemon.node_id} has no memory tier")
         try:
             return self.daemon.replicator.receive(request_iterator)
-        except replicator.ReplicaRefused as exc:
-            context.abort(exc.code, str(exc))
         except (StorageError, OSError) as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"memory tier of node {self.daemon.node_id}: {exc}")
-        raise AssertionError("unreachable")
+            raise errors.TierUnavailable(f"memory tier of node {self.daemon.node_id}: {exc}") from exc
 
+    @answers
     def FetchShard(self, request: agent_pb2.FetchShardRequest,
                    context: grpc.ServicerContext) -> agent_pb2.FetchShardResponse:
         try:
             got = self.daemon.peers.fetch(request)
-        except peer_copy.PeerUnreachable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {request.location}: {exc}")
-        except peer_copy.CopyMissing as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.location}: {exc}")
-        except peer_copy.CopyCorrupt as exc:
-            context.abort(grpc.StatusCode.DATA_LOSS, f"node {request.location}: {exc}")
-        except (peer_copy.PeerCopyError, OSError) as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {request.location}: {exc}")
+        except errors.PeerCopyError as exc:  # the same kind, naming the holder
+            raise type(exc)(f"node {request.location}: {exc}") from exc
+        except OSError as exc:
+            raise errors.PeerCopyError(f"node {request.location}: {exc}") from exc
         return agent_pb2.FetchShardResponse(path=str(got.path), bytes=got.bytes, seconds=got.seconds,
                                             verified=got.verified)
 
@@ -145,6 +171,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                     context: grpc.ServicerContext) -> cluster_pb2.HealthVerdict:
         return self.daemon.check_health()
 
+    def ClearGpuFaults(self, request: agent_pb2.ClearGpuFaultsRequest,
+                       context: grpc.ServicerContext) -> agent_pb2.ClearGpuFaultsResponse:
+        cleared, verdict = self.daemon.clear_gpu_faults(request.reason[:300])
+        return agent_pb2.ClearGpuFaultsResponse(cleared=cleared, verdict=verdict)
+
+    @answers
     def Kill(self, request: agent_pb2.KillRequest, context: grpc.ServicerContext) -> agent_pb2.KillResponse:
         # With mTLS the authorization table has already let only operators through; the drill token,
         # when one is configured, is a second factor on top. Without mTLS it is the only one.
@@ -152,18 +184,16 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         try:
             expected = daemon.drill_token()
         except OSError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"drills are unavailable on node {daemon.node_id}: {exc}")
+            raise errors.NodeCannot(f"drills are unavailable on node {daemon.node_id}: {exc}") from exc
         if not expected and daemon.identity is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"drills are disabled on node {daemon.node_id}: without mTLS (pki_dir) Kill needs a drill "
-                          "token (drill_token_file)")
+            raise errors.NodeCannot(f"drills are disabled on node {daemon.node_id}: without mTLS (pki_dir) Kill needs "
+                                    "a drill token (drill_token_file)")
         if expected and not hmac.compare_digest(bearer_token(context).encode(), expected.encode()):
             daemon.metrics.rpc_denied.labels("Agent/Kill", "drill_token").inc()
             log.warning("denied Kill: no or a wrong drill token (the second factor of node %s)", daemon.node_id)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"Kill on node {daemon.node_id} needs its drill token as well ('authorization: Bearer "
-                          "<token>'; ftctl drill: FTD_DRILL_TOKEN or --token-file) (rule: drill_token)")
+            raise errors.DrillDenied(f"Kill on node {daemon.node_id} needs its drill token as well ('authorization: "
+                                     "Bearer <token>'; ftctl drill: FTD_DRILL_TOKEN or --token-file) "
+                                     "(rule: drill_token)")
         training = self.daemon.training
         if request.mode == agent_pb2.KillRequest.WORKER:
             workers = training.workers() if training is not None else []
@@ -171,16 +201,14 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 workers = [p for p in workers if p == request.pid]
             if not workers:
                 which = f" with pid {request.pid}" if request.pid else ""
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"node {self.daemon.node_id} runs no training worker{which}")
+                raise errors.NodeCannot(f"node {self.daemon.node_id} runs no training worker{which}")
             os.kill(workers[-1], signal.SIGKILL)
             log.warning("drill: SIGKILLed training worker %d (%s)", workers[-1], request.reason or "no reason given")
             return agent_pb2.KillResponse(pid=os.getpid(), killed_pids=[workers[-1]])
         if request.mode == agent_pb2.KillRequest.HANG:
             stopped = training.signal_workers(signal.SIGSTOP) if training is not None else []
             if not stopped:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"node {self.daemon.node_id} runs no training worker")
+                raise errors.NodeCannot(f"node {self.daemon.node_id} runs no training worker")
             log.warning("drill: SIGSTOPped training workers %s (%s)", stopped, request.reason or "no reason given")
             return agent_pb2.KillResponse(pid=os.getpid(), killed_pids=stopped)
         killed = signal_pids(training.workers(), signal.SIGKILL) if training is not None else []
@@ -193,16 +221,15 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     # ---- checkpoints: forwarded to the coordinator ------------------------------------------------
 
-    def _forward(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+    def _forward(self, method: str, request: Any) -> Any:
         try:
             return self.daemon.client.call(method, request, idempotent=True)
         except grpc.RpcError as exc:
-            code = rpc_code(exc) or grpc.StatusCode.UNKNOWN
-            context.abort(code, rpc_details(exc))
+            raise errors.Forwarded(rpc_code(exc) or grpc.StatusCode.UNKNOWN, rpc_details(exc)) from exc
         except ConnectionError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        raise AssertionError("unreachable")
+            raise errors.CoordinatorUnreachable(str(exc)) from exc
 
+    @answers
     def CommitShard(self, request: checkpoint_pb2.CommitShardRequest,
                     context: grpc.ServicerContext) -> checkpoint_pb2.CommitShardResponse:
         if not request.tier:
@@ -210,10 +237,13 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         if not request.location:
             request.location = self.daemon.node_id if request.tier != "s3" else "s3"
         what = f"step {request.manifest.step} (rank {request.manifest.rank}) on {request.tier}"
+        if request.from_tier:  # its bytes are in the memory tier: the first tiering hop copies them first
+            self.daemon.tiering.persist(request.from_tier, request.tier, request.manifest)
+            request.from_tier = ""
         # A memory snapshot is never waited for without a leader; a durable commit rides out a
         # failover (a few seconds) but not an outage, where it could only time out.
-        self._need_leader(context, what, 0.0 if request.tier == "mem" else DURABLE_COMMIT_GRACE_S)
-        response = self._forward("CommitShard", request, context)
+        self._need_leader(what, 0.0 if request.tier == "mem" else DURABLE_COMMIT_GRACE_S)
+        response = self._forward("CommitShard", request)
         if request.tier == "mem" and self.daemon.replicator is not None:  # to the buddy, in the background
             m = request.manifest
             self.daemon.replicator.enqueue(m.job, m.step, m.rank)
@@ -221,30 +251,32 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             self.daemon.tiering.notify()
         return response  # type: ignore[no-any-return]
 
-    def _need_leader(self, context: grpc.ServicerContext, what: str, grace_s: float = 0.0) -> None:
+    def _need_leader(self, what: str, grace_s: float = 0.0) -> None:
         """Checkpoint bookkeeping runs in the training's save path: while no leader can record it
         (etcd down) waiting out the client's deadline would stall the next save behind this one, so it
         fails at once once the node has been without a leader for ``grace_s`` (memory snapshots: at
         once, the next step records again)."""
         away = self.daemon.session.disconnected_for()
         if not self.daemon.session.connected and away >= grace_s:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"node {self.daemon.node_id} has had no coordinator leader for {away:.1f}s: {what} not "
-                          f"recorded")
+            raise errors.CoordinatorUnreachable(f"node {self.daemon.node_id} has had no coordinator leader for "
+                                                f"{away:.1f}s: {what} not recorded")
 
+    @answers
     def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,
                    context: grpc.ServicerContext) -> checkpoint_pb2.RecordCopyResponse:
         if request.tier == "mem":
-            self._need_leader(context, f"memory copy of step {request.step} (rank {request.rank})")
-        return self._forward("RecordCopy", request, context)  # type: ignore[no-any-return]
+            self._need_leader(f"memory copy of step {request.step} (rank {request.rank})")
+        return self._forward("RecordCopy", request)  # type: ignore[no-any-return]
 
+    @answers
     def InvalidateCheckpoint(self, request: checkpoint_pb2.InvalidateCheckpointRequest,
                              context: grpc.ServicerContext) -> checkpoint_pb2.CheckpointInfo:
-        return self._forward("InvalidateCheckpoint", request, context)  # type: ignore[no-any-return]
+        return self._forward("InvalidateCheckpoint", request)  # type: ignore[no-any-return]
 
+    @answers
     def GetRestoreTarget(self, request: checkpoint_pb2.GetRestoreTargetRequest,
                          context: grpc.ServicerContext) -> checkpoint_pb2.RestoreTarget:
-        return self._forward("GetRestoreTarget", request, context)  # type: ignore[no-any-return]
+        return self._forward("GetRestoreTarget", request)  # type: ignore[no-any-return]
 
     def VerifyCopy(self, request: agent_pb2.VerifyCopyRequest,
                    context: grpc.ServicerContext) -> agent_pb2.VerifyCopyResponse:

@@ -6,15 +6,15 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftd.coordinator.model import valid_node_id
-from ftd.pki import IdentityFiles
+from ftd.identity import IdentityFiles
+from ftd.node_ids import valid_node_id
 from ftd.rpc import parse_endpoints
 from ftd.settings import require, setting
+from ftd.storage_backends.memory import DEFAULT_ROOT, default_capacity
 from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec
 
-from .health_checks import HealthThresholds
-from .memory_tier import DEFAULT_ROOT, default_capacity
-from .preemption import PreemptionConfig
+from .health_rules import HealthThresholds
+from .preemption_sources import PreemptionConfig
 
 ENV_PREFIX = "FTD_AGENT_"
 
@@ -29,7 +29,8 @@ class AgentSettings:
     node_id: str = setting("", "unique id of this node (default: the host name)")
     host: str = setting("", "host name or address this node is reached at (default: the host name)")
     role: str = setting("active", "role asked for at registration: active or spare")
-    labels: dict[str, str] = setting({}, "node labels KEY=VALUE[,KEY=VALUE...], e.g. rack=r1 (failure domain)")
+    labels: dict[str, str] = setting(
+        {}, "node labels KEY=VALUE[,KEY=VALUE...], e.g. rack=r1 (the failure domain: the coordinator's domain_label)")
     coordinators: str = setting("127.0.0.1:7400",
                                 "coordinator replicas HOST:PORT[,HOST:PORT...]; the leader is followed")
     listen: str = setting("127.0.0.1:7410", "agent gRPC address HOST:PORT for operators and drills (port 0: any)")
@@ -76,7 +77,10 @@ class AgentSettings:
     heartbeat_interval_s: float = setting(0.5, "period of heartbeats to the coordinator", "s")
     coordinator_timeout_s: float = setting(3.0, "no answer from the leader for this long: reconnect", "s")
     reconnect_max_backoff_s: float = setting(1.0, "upper bound of the reconnect backoff", "s")
-    health_interval_s: float = setting(5.0, "period of disk/GPU health sampling", "s")
+    health_interval_s: float = setting(2.5, "period of disk/GPU health sampling (on its own thread; heartbeats "
+                                            "carry the latest verdict)", "s")
+    health_deadline_s: float = setting(5.0, "a disk or NVML query running longer than this is reported hung in "
+                                            "the verdict (the node unhealthy, its heartbeats unaffected)", "s")
     health_min_free: dict[str, str] = setting(
         {}, "health check: minimum free space per tier TIER=SIZE[,...], e.g. ssd=10GiB (unlisted: not checked)")
     health_expected_gpus: int = setting(0, "health check: GPUs the node must have (0: not checked)", "GPUs")
@@ -144,6 +148,7 @@ class AgentSettings:
         require(self.s3_timeout_s > 0, "s3_timeout_s", f"must be > 0 (got {self.s3_timeout_s})")
         require(self.s3_max_attempts >= 1, "s3_max_attempts", f"must be >= 1 (got {self.s3_max_attempts})")
         require(self.health_interval_s > 0, "health_interval_s", f"must be > 0 (got {self.health_interval_s})")
+        require(self.health_deadline_s > 0, "health_deadline_s", f"must be > 0 (got {self.health_deadline_s})")
         require(self.preempt_poll_interval_s > 0, "preempt_poll_interval_s",
                 f"must be > 0 (got {self.preempt_poll_interval_s})")
         require(self.peak_flops_per_gpu >= 0, "peak_flops_per_gpu", f"must be >= 0 (got {self.peak_flops_per_gpu})")

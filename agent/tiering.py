@@ -10,11 +10,13 @@ Responsibility for a shard on a shared tier (a shared HDD mount, S3) lies with t
 the shard on its own SSD — the node that currently owns that rank — so no two agents migrate or
 delete the same shard.
 
-The memory tier (``mem``, when the node has one) is no migration source or target: memory snapshots
-are written by the training process and replicated to the buddy by :mod:`.replicator`; a durable
-checkpoint reaches the SSD from the training process itself. Here it only gets retention (at most
-:data:`~ftd.checkpoints.catalog.MEM_KEEP` restorable steps per rank) and the cleanup of interrupted
-writes.
+The memory tier (``mem``, when the node has one) is the first hop: memory snapshots are written by
+the training process and replicated to the buddy by :mod:`.replicator`; a durable step held there
+reaches the SSD through :meth:`Tiering.persist`, which the training process asks for when it
+commits the step on the SSD (``CommitShard`` with ``from_tier``) and waits for. The pass gives the
+memory tier retention (at most :data:`~ftd.checkpoints.catalog.MEM_KEEP` restorable steps per rank)
+and the cleanup of interrupted writes. Every copy, hop or migration, is
+:func:`ftd.checkpoints.copy.copy_published`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import grpc
 
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef
-from ftd.checkpoints.layout import MANIFEST, ManifestError, ShardManifest, parse_shard_key, shard_prefix
+from ftd.checkpoints.copy import Copied, CopyMismatch, copy_published, files_of, published_manifest
+from ftd.checkpoints.layout import MANIFEST, BadIdentifier, ManifestError, ShardManifest, parse_shard_key, shard_prefix
 from ftd.storage_backends.base import (
-    AlreadyPublished,
     Crc32c,
     StorageBackend,
     StorageError,
@@ -40,32 +42,14 @@ from ftd.storage_backends.base import (
     StorageUnavailable,
 )
 from ftd.storage_backends.tiers import Tier
+from ftd.throttle import TokenBucket
+from ftd.v1 import checkpoint_pb2
+
+from .errors import BadRequest, CopyCorrupt, CopyMissing, NodeCannot, NoRoom, TierUnavailable
 
 log = logging.getLogger("ftd.agent.tiering")
 ShardId = tuple[str, int, int]  # (job, step, rank)
 Catalog = Mapping[tuple[str, int], CheckpointRecord]  # (job, step) -> what the catalog says
-
-
-@dataclass
-class TokenBucket:
-    """Bandwidth limit. :meth:`delay` consumes ``n`` bytes at ``now`` and says how long to wait; the
-    clock is the caller's, so the limit is testable without time passing. Starts full (``burst``
-    bytes go at once), refills at ``rate`` up to ``burst``; a debt is paid by waiting."""
-
-    rate: float  # bytes per second; 0 disables the limit
-    burst: float
-    tokens: float = 0.0
-    last: float | None = None
-
-    def delay(self, n: int, now: float) -> float:
-        if self.rate <= 0:
-            return 0.0
-        if self.last is None:
-            self.tokens, self.last = self.burst, now
-        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        self.tokens -= n
-        return max(0.0, -self.tokens / self.rate)
 
 
 @dataclass
@@ -231,8 +215,6 @@ class Tiering:
                     tier.name, wait, exc)
 
     def _records(self, job: str) -> list[CheckpointRecord] | None:
-        from ftd.v1 import checkpoint_pb2
-
         try:
             infos = self.catalog("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job=job)).checkpoints
         except Exception as exc:
@@ -291,24 +273,9 @@ class Tiering:
         self.stats.lag_steps[tier.name] = newest_local - max(on_tier, default=newest_local if not local else 0)
 
     def _copy(self, src: Tier, dst: Tier, manifest: ShardManifest) -> None:
-        from ftd.v1 import checkpoint_pb2
-
         prefix = shard_prefix(manifest.job, manifest.step, manifest.rank)
-        if dst.backend.is_published(prefix, MANIFEST):
-            try:
-                with dst.backend.open_read(f"{prefix}/{MANIFEST}") as f:
-                    there = ShardManifest.decode(f"{dst.backend.name}/{prefix}", f.read())
-            except (ManifestError, StorageError):
-                there = None
-            if there is None or there.checksum != manifest.checksum:
-                log.info("replacing a stale copy of %s on %s (another timeline's bytes)", prefix, dst.name)
-                dst.backend.delete_prefix(prefix, marker_name=MANIFEST)
-            else:
-                self._record(manifest, dst, present=True)
-                return
         move = Migration(manifest.job, manifest.step, manifest.rank, dst.name, 0, manifest.total_bytes)
         self.current = move
-        started = self.clock()
 
         def progress(n: int) -> None:
             move.done += n
@@ -316,38 +283,53 @@ class Tiering:
             if wait > 0:
                 self.sleep(wait)
 
-        staging = dst.backend.stage(prefix)
         try:
-            # Files, not streams: an upload from a file resumes after an interruption.
-            with src.backend.local_folder(prefix, [e.name for e in manifest.files]) as folder:
-                for entry in manifest.files:
-                    written = staging.put_file(entry.name, folder / entry.name, progress)
-                    if written.crc32c == entry.crc32c and written.size == entry.size:
-                        continue
-                    why = (f"{entry.name}: crc32c {written.crc32c} size {written.size}, manifest says "
-                           f"{entry.crc32c} size {entry.size}")
-                    staging.abort()
-                    log.error("source copy of %s on %s is corrupt (%s); not migrated", prefix, src.name, why)
-                    self.catalog("RecordCopy", checkpoint_pb2.RecordCopyRequest(
-                        job=manifest.job, step=manifest.step, rank=manifest.rank, tier=src.name,
-                        location=src.location, present=True, corrupt_reason=why))
-                    return
-            staging.publish(MANIFEST, manifest.encode())
-        except AlreadyPublished:
-            pass  # a concurrent copy won; it was verified the same way
-        except BaseException:
-            staging.abort()
-            raise
+            copied = copy_published(src.backend, dst.backend, manifest, progress=progress)
+        except CopyMismatch as exc:
+            log.error("source copy of %s on %s is corrupt (%s); not migrated", prefix, src.name, exc)
+            self.catalog("RecordCopy", checkpoint_pb2.RecordCopyRequest(
+                job=manifest.job, step=manifest.step, rank=manifest.rank, tier=src.name,
+                location=src.location, present=True, corrupt_reason=exc.message))
+            return
         finally:
             self.current = None
-        self.stats.migrated_bytes[dst.name] = self.stats.migrated_bytes.get(dst.name, 0) + manifest.total_bytes
-        self.stats.migrations[dst.name] = self.stats.migrations.get(dst.name, 0) + 1
-        log.info("copied %s to %s (%d bytes in %.2fs)", prefix, dst.name, manifest.total_bytes, self.clock() - started)
+        if not copied.already:
+            self.stats.migrated_bytes[dst.name] = self.stats.migrated_bytes.get(dst.name, 0) + manifest.total_bytes
+            self.stats.migrations[dst.name] = self.stats.migrations.get(dst.name, 0) + 1
+            log.info("copied %s to %s (%d bytes in %.2fs)", prefix, dst.name, manifest.total_bytes, copied.seconds)
         self._record(manifest, dst, present=True)
 
-    def _record(self, manifest: ShardManifest, tier: Tier, present: bool) -> None:
-        from ftd.v1 import checkpoint_pb2
+    def persist(self, source: str, target: str, shard: checkpoint_pb2.ShardManifest) -> Copied:
+        """The first hop, for a durable step whose bytes are in the memory tier (``source``): the
+        memory copy's files copied to the SSD (``target``; :func:`~ftd.checkpoints.copy.copy_published`,
+        every file checked against its manifest, which must list the files of ``shard``: what the
+        training commits). Runs on the caller's thread, beside the pass (which copies nothing into
+        the SSD); the caller commits the copy. Raises :class:`~.errors.AgentError`s: the training process
+        waits for the answer."""
+        try:
+            prefix = shard_prefix(shard.job, shard.step, shard.rank)
+        except BadIdentifier as exc:
+            raise BadRequest(f"manifest.{exc}") from exc
+        if self.mem is None or source != self.mem.name or target != self.ssd.name:
+            raise NodeCannot(f"{prefix}: no hop from {source[:40]!r} to {target[:40]!r} here (the hop goes from "
+                             f"{self.mem.name if self.mem is not None else 'a memory tier'} to {self.ssd.name})")
+        files = {f.name: (f.size, f.crc32c) for f in shard.files}
+        try:
+            manifest = published_manifest(self.mem.backend, prefix)
+            if manifest is None:
+                raise CopyMissing(f"{self.mem.backend.name}: no published memory copy of {prefix}")
+            if files_of(manifest) != files:
+                raise CopyMissing(f"{self.mem.backend.name}: the memory copy of {prefix} is another one than the "
+                                  "committed shard (a newer snapshot of another timeline replaced it)")
+            return copy_published(self.mem.backend, self.ssd.backend, manifest)
+        except CopyMismatch as exc:
+            raise CopyCorrupt(f"{prefix}: the memory copy changed while copied to the SSD: {exc}") from exc
+        except StorageFull as exc:
+            raise NoRoom(str(exc)) from exc
+        except (StorageError, OSError) as exc:
+            raise TierUnavailable(f"{prefix}: copying to {self.ssd.backend.name} failed: {exc}") from exc
 
+    def _record(self, manifest: ShardManifest, tier: Tier, present: bool) -> None:
         self.catalog("RecordCopy", checkpoint_pb2.RecordCopyRequest(
             job=manifest.job, step=manifest.step, rank=manifest.rank, tier=tier.name, location=tier.location,
             present=present))
@@ -411,3 +393,4 @@ class Tiering:
                         self._record(steps[deletion.step], tier, present=False)
                     except Exception as exc:
                         log.warning("could not record the deletion of %s: %s", prefix, exc)
+

@@ -271,7 +271,7 @@ def disk_figures(args: argparse.Namespace, state: dict[str, Any], size_bytes: in
                 s3 = next(tier for tier in ck.tiers if tier.name == "s3")
                 t = time.perf_counter()
                 rec = from_info(info)
-                state2 = ck._read(s3, rec, rec.shards[0], "cpu", None, True)
+                state2 = ck.restorer.read(s3, rec, rec.shards[0], "cpu", None, True)
                 record("ftd_restore_s3_s", time.perf_counter() - t)
                 del state2
         ck.close()

@@ -36,9 +36,11 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from ftd import pki, rpc
+from ftd import rpc
+from ftd.ca import bootstrap, issue
 from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import _spawn, _wait_file
+from ftd.identity import DEFAULT_OPERATOR, IdentityFiles, paths
 from ftd.v1 import cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from _common import cpu_seconds, delta, emit, percentile, scrape
@@ -68,7 +70,7 @@ async def _agents(endpoint: str, ids: list[str], spares: set[str], hz: float, st
     def stub_for(node_id: str) -> coordinator_pb2_grpc.CoordinatorStub:
         if not per_agent and pki_dir is None:
             return coordinator_pb2_grpc.CoordinatorStub(shared)
-        tls = pki.IdentityFiles(Path(pki_dir), "node", node_id) if pki_dir is not None else None
+        tls = IdentityFiles(Path(pki_dir), "node", node_id) if pki_dir is not None else None
         channels.append(rpc.aio_channel(endpoint, _OPTIONS, tls=tls))
         return coordinator_pb2_grpc.CoordinatorStub(channels[-1])
 
@@ -136,10 +138,10 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
     tls_args: list[str] = []
     if tls:
         pki_dir = work / f"pki-{n}"
-        pki.bootstrap(pki_dir, CLUSTER, nodes=(), coordinators=["c0"])
+        bootstrap(pki_dir, CLUSTER, nodes=(), coordinators=["c0"])
         for node_id in ids:
-            if not pki.paths(pki_dir, "node", node_id)[0].exists():
-                pki.issue(pki_dir, "node", node_id)
+            if not paths(pki_dir, "node", node_id)[0].exists():
+                issue(pki_dir, "node", node_id)
         tls_args = ["--pki-dir", str(pki_dir), "--replica-id", "c0", "--cluster", CLUSTER]
     etcd = EtcdCluster(work / f"etcd-{n}-{mode}", size=1).start()
     ready = work / f"coord-{n}-{mode}.json"
@@ -147,7 +149,7 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
     coord = _spawn([sys.executable, "-m", "ftd.coordinator.main", "--etcd-endpoints", etcd.endpoints,
                     "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready),
                     "--log-level", "WARNING", "--failover-grace-s", "2", *tls_args], log)
-    operator = pki.IdentityFiles(pki_dir, "operator", pki.DEFAULT_OPERATOR) if pki_dir is not None else None
+    operator = IdentityFiles(pki_dir, "operator", DEFAULT_OPERATOR) if pki_dir is not None else None
     try:
         info = _wait_file(ready, coord, time.monotonic() + 30, log)
         spares = set(ids[:: 100])
@@ -207,7 +209,7 @@ def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Pa
         etcd.stop()
 
 
-def _events(address: str, tls: pki.IdentityFiles | None) -> list[Any]:
+def _events(address: str, tls: IdentityFiles | None) -> list[Any]:
     with rpc.channel(address, tls=tls) as ch:
         return list(coordinator_pb2_grpc.CoordinatorStub(ch).ListEvents(
             coordinator_pb2.ListEventsRequest(limit=1000), timeout=30).events)

@@ -7,7 +7,7 @@ import os
 import signal
 from collections.abc import Iterable
 
-from ftd.agent.buddy import Peer, choose_buddy
+from ftd.coordinator.buddies import Peer, choose_buddy
 from ftd.waiting import wait_for
 
 from .faults import signal_all, still_running

@@ -24,9 +24,9 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from ftd import pki
 from ftd.ftctl import isolated
 from ftd.ftctl.etcd_server import EtcdMember
+from ftd.identity import IdentityFiles
 from ftd.rpc import client_credentials
 from ftd.waiting import wait_for
 
@@ -78,7 +78,7 @@ class LabEtcdMembers:
         from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
         m = self.member(i)
-        files = pki.IdentityFiles(self.pki_dir, "etcd", m.name)
+        files = IdentityFiles(self.pki_dir, "etcd", m.name)
         try:
             with grpc.secure_channel(f"{m.host}:{m.client_port}", client_credentials(files)) as ch:
                 resp = rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=timeout_s)

@@ -18,8 +18,9 @@ Rules (pure functions returning a reason, tested without I/O):
 * :func:`rollback` — make a step the restore target by removing the newer steps from the catalog;
 * :func:`retention` — per tier: keep the newest ``keep`` restorable steps committed *there*, never
   delete an older one before a newer one is committed there, never touch in-progress steps;
-* :func:`prune_memory` — the memory tier holds at most :data:`MEM_KEEP` snapshots per rank and node:
-  recording a newer one drops the oldest copy (and a record left without any copy).
+* :func:`prune_memory` — the memory tier holds at most :data:`MEM_KEEP` snapshots per rank and node
+  (the tier's own rule, :mod:`ftd.storage_backends.memory`): recording a newer one drops the oldest
+  copy (and a record left without any copy).
 
 The memory tier (``mem``) is a tier like the others: a copy of rank R's shard in node B's memory is
 ``CopyRef("mem", "B")``. A step is *in memory* (``on_tier("mem")``) when every rank's shard is in the
@@ -33,6 +34,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from ftd.storage_backends.memory import KEEP, evictions
 from ftd.v1 import checkpoint_pb2
 
 from .layout import FileEntry, ShardManifest
@@ -40,7 +42,7 @@ from .layout import FileEntry, ShardManifest
 TIERS = ("mem", "ssd", "hdd", "s3")  # fastest first
 MEMORY = "mem"
 MEM_REPLICAS = 2  # in memory = on the rank's node and on its buddy
-MEM_KEEP = 2  # memory snapshots held per rank on one node: the newest and the one being written
+MEM_KEEP = KEEP  # memory snapshots held per rank on one node: the newest and the one being written
 KV_PREFIX = "ckpt/"
 INVALID = "invalid: "  # how status() starts for an invalidated step; from_info() reads it back
 UNRESTORABLE = "unrestorable: "  # valid (every shard was committed) but no good copy of some rank is left
@@ -246,15 +248,17 @@ def drop_copy(record: CheckpointRecord, rank: int, tier: str, location: str, cor
 def prune_memory(records: Iterable[CheckpointRecord], rank: int, location: str,
                  keep: int = MEM_KEEP) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
     """The memory tier at ``location`` holds at most ``keep`` snapshots of ``rank`` (of the records'
-    job): the copies of older steps are dropped, as the node itself deletes the oldest before it
-    writes a new one. Returns (records changed, records left without any copy: to delete; a memory
-    snapshot that was never made durable disappears from the catalog with its last copy)."""
+    job): the copies of the steps the memory tier's own rule drops
+    (:func:`ftd.storage_backends.memory.evictions`, the newest step coming in) are dropped, as the
+    node itself deletes them before it writes a new one. Returns (records changed, records left
+    without any copy: to delete; a memory snapshot that was never made durable disappears from the
+    catalog with its last copy)."""
     copy = CopyRef(MEMORY, location)
-    holding = sorted((r for r in records if (s := r.shards.get(rank)) is not None and copy in s.copies),
-                     key=lambda r: r.step, reverse=True)
+    holding = {r.step: r for r in records if (s := r.shards.get(rank)) is not None and copy in s.copies}
     changed: list[CheckpointRecord] = []
     removed: list[CheckpointRecord] = []
-    for record in holding[keep:]:
+    gone = evictions(holding, max(holding), keep) if holding else []
+    for record in (holding[step] for step in reversed(gone)):
         new = drop_copy(record, rank, MEMORY, location)
         shard = new.shards[rank]
         if copy.key in shard.bad:

@@ -7,6 +7,9 @@ strategy guarantees the rest). Folders are never reused.
 
 Identifiers arrive from RPCs and from files on disk; anything that could escape a directory is
 refused here with :class:`BadIdentifier` / :class:`ManifestError`, never deeper in the I/O.
+
+This module imports nothing else of ftd: the storage tiers (the memory tier lists its snapshots by
+this layout) and the catalog both build on it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import crc32c
 
 MANIFEST = "SHARD.json"
 FORMATS = ("torch", "dcp")
@@ -115,9 +120,7 @@ class ShardManifest:
     @property
     def checksum(self) -> str:
         """One CRC32C for the shard: over its files' names, sizes and CRC32Cs, in order."""
-        from ftd.storage_backends.base import crc32c_hex
-
-        return crc32c_hex("".join(f"{f.name}:{f.size}:{f.crc32c};" for f in self.files).encode())
+        return f"{crc32c.crc32c(''.join(f'{f.name}:{f.size}:{f.crc32c};' for f in self.files).encode()):08x}"
 
     def encode(self) -> bytes:
         data = asdict(self)

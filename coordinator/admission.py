@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import errors, limits
+from . import errors, validation
 from .detector import State
 from .model import NodeRecord, Role
 from .view import ClusterView
@@ -30,8 +30,8 @@ class Admission:
 
 def validate_register(req: coordinator_pb2.RegisterRequest) -> None:
     """Raises :class:`~.errors.InvalidArgument` naming the first malformed field (the bounds are
-    :mod:`.limits`')."""
-    limits.validate_register(req)
+    :mod:`.validation`')."""
+    validation.validate_register(req)
 
 
 def decide_registration(view: ClusterView, req: coordinator_pb2.RegisterRequest,
@@ -75,7 +75,7 @@ def decide_registration(view: ClusterView, req: coordinator_pb2.RegisterRequest,
 
 def check_heartbeat(view: ClusterView, req: coordinator_pb2.HeartbeatRequest) -> NodeRecord:
     """The registered record the first heartbeat of a stream speaks for, or why it may not."""
-    limits.validate_heartbeat(req)
+    validation.validate_heartbeat(req)
     node = view.nodes.get(req.node_id)
     if node is None:
         raise errors.NodeNotFound(req.node_id)

@@ -29,7 +29,7 @@ from ftd.checkpoints.layout import (
 )
 from ftd.v1 import checkpoint_pb2, cluster_pb2
 
-from . import errors, limits
+from . import errors, paging, rate_limits, validation
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
 from .view import ClusterView
@@ -73,9 +73,9 @@ def _check(job: str, step: int) -> tuple[str, int]:
 
 class CatalogKeeper:
     def __init__(self, state: LeaderState, metrics: CoordinatorMetrics,
-                 wall: Callable[[], float] = time.time, limiter: limits.WriteLimiter | None = None) -> None:
+                 wall: Callable[[], float] = time.time, limiter: rate_limits.WriteLimiter | None = None) -> None:
         self.state = state
-        self.limiter = limiter or limits.WriteLimiter()
+        self.limiter = limiter or rate_limits.WriteLimiter()
         self._series: set[str] = set()  # jobs whose gauges are published
         self.metrics = metrics
         self.wall = wall
@@ -146,18 +146,18 @@ class CatalogKeeper:
                              None if quiet else ("checkpoints_removed", "", why), [], gone)
 
     async def commit_shard(self, request: checkpoint_pb2.CommitShardRequest) -> checkpoint_pb2.CommitShardResponse:
-        limits.validate_commit_shard(request)
+        validation.validate_commit_shard(request)
         manifest = manifest_from_proto(request.manifest, self.wall())
         if request.tier not in rules.TIERS:
             raise errors.InvalidArgument("tier", f"must be one of {', '.join(rules.TIERS)}, got {request.tier[:40]!r}")
         mem = request.tier == "mem"
-        self.limiter.check("CommitShard/mem" if mem else "CommitShard", limits.shard_writer(request.location,
-                           manifest.rank), limits.MEMORY_TIER_SCALE if mem else 1.0)
+        self.limiter.check("CommitShard/mem" if mem else "CommitShard", rate_limits.shard_writer(request.location,
+                           manifest.rank), rate_limits.MEMORY_TIER_SCALE if mem else 1.0)
         async with self._lock:
             records = self._records()
             if manifest.job not in {j for j, _ in records} and \
-                    len({j for j, _ in records}) >= limits.MAX_CATALOG_JOBS:
-                raise errors.TooMany(f"the catalog holds checkpoints of {limits.MAX_CATALOG_JOBS} jobs already; "
+                    len({j for j, _ in records}) >= validation.MAX_CATALOG_JOBS:
+                raise errors.TooMany(f"the catalog holds checkpoints of {validation.MAX_CATALOG_JOBS} jobs already; "
                                      f"job {manifest.job} is refused until old ones are deleted")
             abandoned = rules.superseded_by(records.values(), manifest)
             if abandoned:  # a new timeline (restarted from an older step in a newer epoch) takes over
@@ -168,7 +168,7 @@ class CatalogKeeper:
                             manifest.job, manifest.step, manifest.epoch, [r.step for r in abandoned][:20])
                 records = self._records()
             before = records.get((manifest.job, manifest.step))
-            cadence = limits.clip(limits.one_line(request.cadence), 200)
+            cadence = validation.clip(validation.one_line(request.cadence), 200)
             try:
                 record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall(),
                                                   cadence)
@@ -205,13 +205,13 @@ class CatalogKeeper:
 
     async def record_copy(self, request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
         job, step = _check(request.job, request.step)
-        limits.validate_record_copy(request)
-        corrupt = limits.clip(limits.one_line(request.corrupt_reason), 500)
+        validation.validate_record_copy(request)
+        corrupt = validation.clip(validation.one_line(request.corrupt_reason), 500)
         if request.tier not in rules.TIERS:
             raise errors.InvalidArgument("tier", f"must be one of {', '.join(rules.TIERS)}, got {request.tier[:40]!r}")
         mem = request.tier == "mem"
-        self.limiter.check("RecordCopy/mem" if mem else "RecordCopy", limits.shard_writer(request.location,
-                           request.rank), limits.MEMORY_TIER_SCALE if mem else 1.0)
+        self.limiter.check("RecordCopy/mem" if mem else "RecordCopy", rate_limits.shard_writer(request.location,
+                           request.rank), rate_limits.MEMORY_TIER_SCALE if mem else 1.0)
         async with self._lock:
             record = self._get(job, step)
             if request.rank not in record.shards:
@@ -252,8 +252,8 @@ class CatalogKeeper:
 
     async def invalidate(self, request: checkpoint_pb2.InvalidateCheckpointRequest) -> checkpoint_pb2.CheckpointInfo:
         job, step = _check(request.job, request.step)
-        limits.validate_invalidate(request)
-        reason = limits.clip(limits.one_line(request.reason), 500)
+        validation.validate_invalidate(request)
+        reason = validation.clip(validation.one_line(request.reason), 500)
         if not reason:
             raise errors.InvalidArgument("reason", "say why the checkpoint is invalid")
         async with self._lock:
@@ -270,8 +270,8 @@ class CatalogKeeper:
             return rules.to_info(new)
 
     def list(self, job: str) -> list[checkpoint_pb2.CheckpointInfo]:
-        """The first page (:data:`~.limits.DEFAULT_PAGE_SIZE` records, about
-        :data:`~.limits.MAX_PAGE_BYTES`); :meth:`list_page` for the rest."""
+        """The first page (:data:`~.paging.DEFAULT_PAGE_SIZE` records, about
+        :data:`~.paging.MAX_PAGE_BYTES`); :meth:`list_page` for the rest."""
         return list(self.list_page(checkpoint_pb2.ListCheckpointsRequest(job=job)).checkpoints)
 
     def list_page(self, request: checkpoint_pb2.ListCheckpointsRequest) -> checkpoint_pb2.ListCheckpointsResponse:
@@ -280,14 +280,14 @@ class CatalogKeeper:
         job = request.job
         if job:
             _check(job, 0)
-        page = limits.page(request.page_size, request.page_token, _PAGE_TOKEN)
+        page = paging.page(request.page_size, request.page_token, _PAGE_TOKEN)
         after: tuple[str, int] | None = None
         if page.token:
             token_job, token_step = page.token.split("/")
             after = (token_job, int(token_step))
         keys = sorted(k for k in self._records() if (not job or k[0] == job) and (after is None or k > after))
         records = self._records()
-        infos, more = limits.take_page((rules.to_info(records[k]) for k in keys), page.size,
+        infos, more = paging.take_page((rules.to_info(records[k]) for k in keys), page.size,
                                        checkpoint_pb2.CheckpointInfo.ByteSize)
         token = f"{infos[-1].job}/{infos[-1].step:012d}" if more else ""
         return checkpoint_pb2.ListCheckpointsResponse(checkpoints=infos, next_page_token=token)
@@ -326,5 +326,5 @@ def _unreachable(view: ClusterView, records: Sequence[rules.CheckpointRecord]) -
     node's memory tier dies with it; its disks wait for it to come back)."""
     gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
     locations = {c.location for r in records for s in r.shards.values() for c in s.copies}
-    return {loc for loc in locations - set(limits.SHARED_LOCATIONS)
+    return {loc for loc in locations - set(validation.SHARED_LOCATIONS)
             if loc not in view.nodes or view.state_of(loc)[0] in gone}

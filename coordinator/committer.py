@@ -18,9 +18,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from ftd.throttle import LogThrottle
+
 from . import errors
 from .leader_state import EventLine
-from .limits import LogThrottle
 from .metrics import CoordinatorMetrics
 from .model import Event, LeaderInfo, NodeRecord, World
 from .settings import CoordinatorSettings

@@ -23,9 +23,10 @@ from collections.abc import Callable
 
 from ftd import systemd
 from ftd.logs import set_identity
+from ftd.throttle import LogThrottle
 from ftd.v1 import coordinator_pb2
 
-from . import errors, limits
+from . import errors, rate_limits
 from .catalog import CatalogKeeper
 from .committer import Committer
 from .drains import DrainKeeper
@@ -67,7 +68,7 @@ class Controller:
         self.calls = StoreCalls(self.metrics)
         self.committer = Committer(store, self.calls, settings, self.metrics, clock, wall)
         self.security = guard_metrics(self.metrics.registry)
-        self.limiter = limits.WriteLimiter(
+        self.limiter = rate_limits.WriteLimiter(
             settings.write_rate_per_node_s, settings.write_burst_per_node,
             clock=clock, on_limited=self.security.count_limited)
         self.membership = Membership(self.committer, settings, self.metrics, self.wake, clock, wall, self.limiter)
@@ -79,7 +80,7 @@ class Controller:
         self.alarms = AlarmWatch(store, self.calls, self.committer, self.security)
         self.event_log = EventLog(store, self.calls)
         self._alarms_at = -1e9
-        self._errors = limits.LogThrottle(log)
+        self._errors = LogThrottle(log)
         self.last_tick_at = self.clock()
         self._last_confirmed = 0.0
         self._wake = asyncio.Event()
@@ -254,8 +255,8 @@ class Controller:
         return self.committer.require_leader().node_page(self.clock(), request.page_size, request.page_token)
 
     async def event_page(self, request: coordinator_pb2.ListEventsRequest) -> coordinator_pb2.ListEventsResponse:
-        self.committer.require_leader()
-        return await self.event_log.page(request)
+        view = self.committer.require_leader()
+        return await self.event_log.page(request, view.last_event_seq)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from ftd.v1 import coordinator_pb2
 
-from . import errors, handover_rules, limits
+from . import errors, handover_rules, validation
 from .leader_state import LeaderState
 
 log = logging.getLogger("ftd.coordinator.drains")
@@ -32,9 +32,9 @@ class DrainKeeper:
         self._lock = asyncio.Lock()
 
     async def drain(self, req: coordinator_pb2.DrainRequest) -> coordinator_pb2.DrainResponse:
-        limits.validate_drain(req)
+        validation.validate_drain(req)
         node_id = req.node_id
-        reason = limits.clip(limits.one_line(req.reason), MAX_REASON) or "drain requested"
+        reason = validation.clip(validation.one_line(req.reason), MAX_REASON) or "drain requested"
         async with self._lock:
             view = self.state.require_leader()
             node = view.nodes.get(node_id)

@@ -29,8 +29,8 @@ from pyetcd import transactions as tx
 
 from ftd.etcd_client import make_client, next_member
 from ftd.rpc import rpc_code, rpc_details
+from ftd.throttle import LogThrottle
 
-from .limits import LogThrottle
 from .model import (
     CorruptRecord,
     Event,
@@ -209,9 +209,12 @@ class EtcdStore:
         world_kvs = responses[-1]
         return CommitResult(world_kvs[0][1].mod_revision if world_kvs else 0)
 
-    def list_events(self, limit: int, before_seq: int = 0) -> list[Event]:
+    def list_events(self, limit: int, before_seq: int = 0, after_seq: int | None = None) -> list[Event]:
         def read() -> list[Event]:
-            if before_seq > 0:
+            if after_seq is not None:  # a range that ends past any 16-digit sequence number
+                resp = self._data.get_range_response(self.keys.event(after_seq + 1), self.keys.events + "~",
+                                                     sort_order="ascend", sort_target="key", limit=limit)
+            elif before_seq > 0:
                 resp = self._data.get_range_response(self.keys.event(0), self.keys.event(before_seq),
                                                      sort_order="descend", sort_target="key", limit=limit)
             else:

@@ -47,7 +47,7 @@ class Gauges:
         incident, job = self.membership.recovery.open, view.current_job()
         open_s = self.clock() - incident.last_heartbeat if incident and job is not None and not job.closed else 0.0
         self.metrics.recovery_open.set(open_s)
-        # At most limits.MAX_JOBS jobs (JobKeeper removes closed ones, refuses more); a removed job's
+        # At most validation.MAX_JOBS jobs (JobKeeper removes closed ones, refuses more); a removed job's
         # series go with it, so job ids from requests cannot grow the series without bound.
         for gone in self._job_series - set(view.jobs):
             for gauge in (self.metrics.job_round, self.metrics.job_restarts):

@@ -1,9 +1,14 @@
-"""The coordinator's metrics about bounded inputs and stored-state trust (issue 11), on the same
-registry as :class:`~.metrics.CoordinatorMetrics`.
+"""What the coordinator's guards on its inputs and its state store catch, as metrics on the same
+registry as :class:`~.metrics.CoordinatorMetrics`: writes refused by the per-node rate limit
+(``ftd_coordinator_rate_limited_total{method}``), stored records the leader could not decode
+(``ftd_coordinator_corrupt_records``), etcd's alarms (``ftd_coordinator_etcd_alarm{alarm}``: NOSPACE
+refuses every write) and records of long-fenced nodes removed (``ftd_coordinator_nodes_collected_total``).
+The first three stay at zero on a healthy cluster: a rise means a misbehaving client or a state
+store in trouble; the last is housekeeping.
 
 :func:`guard_metrics` returns the one instance of a registry (made on first use), so every part
 of a replica that holds the registry reaches the same metric objects without new wiring. Every label
-value comes from a fixed set: :data:`ALARMS`, :data:`~.limits.RATE_LIMITED_METHODS`.
+value comes from a fixed set: :data:`ALARMS`, :data:`~.rate_limits.RATE_LIMITED_METHODS`.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from .limits import RATE_LIMITED_METHODS
+from .rate_limits import RATE_LIMITED_METHODS
 
 ALARMS = ("nospace", "corrupt")  # etcd's alarm types, as the label of ftd_coordinator_etcd_alarm
 
 
 class GuardMetrics:
+    """The guard metrics of one registry; obtain them with :func:`guard_metrics`."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         r = self.registry = registry
         self.corrupt_records = Gauge(

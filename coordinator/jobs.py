@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from ftd.checkpoints.layout import BadIdentifier, check_job
 from ftd.v1 import coordinator_pb2
 
-from . import errors, limits
+from . import errors, rate_limits, validation
 from . import rendezvous as rules
 from .detector import State
 from .leader_state import LeaderState
@@ -33,7 +33,7 @@ def _job(job: str) -> str:
 
 
 def _node(node_id: str) -> str:
-    return limits.check_id("node_id", node_id)
+    return validation.check_id("node_id", node_id)
 
 
 def round_info(state: rules.JobState, reply: rules.Reply | None = None) -> coordinator_pb2.RoundInfo:
@@ -54,9 +54,9 @@ def _existing(state: rules.JobState | None, job: str) -> rules.JobState:
 class JobKeeper:
     def __init__(self, state: LeaderState, *, round_started: Callable[[int], None], push_all: Callable[[], None],
                  wake: Callable[[], None], wall: Callable[[], float] = time.time,
-                 limiter: limits.WriteLimiter | None = None) -> None:
+                 limiter: rate_limits.WriteLimiter | None = None) -> None:
         self.state = state
-        self.limiter = limiter or limits.WriteLimiter()
+        self.limiter = limiter or rate_limits.WriteLimiter()
         self.round_started = round_started  # called with the step the new round restores from (-1: none)
         self.push_all = push_all
         self.wake = wake
@@ -65,14 +65,14 @@ class JobKeeper:
 
     def _room_for(self, job: str) -> list[str]:
         """Before a new job's first record: the closed jobs to remove (oldest first) so that at most
-        :data:`~.limits.MAX_JOBS` records are kept; :class:`~.errors.TooMany` when every one is open."""
+        :data:`~.validation.MAX_JOBS` records are kept; :class:`~.errors.TooMany` when every one is open."""
         jobs = self.state.require_leader().jobs
-        if job in jobs or len(jobs) < limits.MAX_JOBS:
+        if job in jobs or len(jobs) < validation.MAX_JOBS:
             return []
         closed = sorted((j for j in jobs.values() if j.closed), key=lambda j: (j.round_unix_s, j.job))
-        excess = len(jobs) + 1 - limits.MAX_JOBS
+        excess = len(jobs) + 1 - validation.MAX_JOBS
         if len(closed) < excess:
-            raise errors.TooMany(f"{len(jobs)} jobs are open (at most {limits.MAX_JOBS}); close one "
+            raise errors.TooMany(f"{len(jobs)} jobs are open (at most {validation.MAX_JOBS}); close one "
                                  f"(ftctl) before job {job} can rendezvous")
         return [j.job for j in closed[:excess]]
 
@@ -95,7 +95,7 @@ class JobKeeper:
 
     async def join(self, req: coordinator_pb2.JoinRoundRequest) -> coordinator_pb2.RoundInfo:
         job, node = _job(req.job), _node(req.node_id)
-        limits.validate_join_round(req)
+        validation.validate_join_round(req)
         self.limiter.check("JoinRound", node)
         async with self._lock:
             view = self.state.require_leader()
@@ -116,7 +116,7 @@ class JobKeeper:
 
     async def set_store(self, req: coordinator_pb2.SetRoundStoreRequest) -> coordinator_pb2.RoundInfo:
         job, node = _job(req.job), _node(req.node_id)
-        limits.validate_set_round_store(req)
+        validation.validate_set_round_store(req)
         async with self._lock:
             before = _existing(self.state.require_leader().jobs.get(job), job)
             after, error = rules.set_store(before, req.round, node, req.address)
@@ -127,7 +127,7 @@ class JobKeeper:
 
     async def close(self, req: coordinator_pb2.CloseJobRequest) -> coordinator_pb2.RoundInfo:
         job = _job(req.job)
-        reason = limits.check_text("reason", req.reason)
+        reason = validation.check_text("reason", req.reason)
         async with self._lock:
             before = _existing(self.state.require_leader().jobs.get(job), job)
             after = rules.close(before, reason or "closed")
@@ -136,7 +136,7 @@ class JobKeeper:
 
     async def report_hang(self, req: coordinator_pb2.ReportHangRequest) -> coordinator_pb2.ReportHangResponse:
         job, node = _job(req.job), _node(req.node_id)
-        why = limits.clip(limits.check_text("reason", req.reason), 300) or "no training progress"
+        why = validation.clip(validation.check_text("reason", req.reason), 300) or "no training progress"
         self.limiter.check("ReportHang", node)
         async with self._lock:
             view = self.state.require_leader()

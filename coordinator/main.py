@@ -13,10 +13,12 @@ from pathlib import Path
 
 from grpc import aio
 
-from ftd import etcd_client, logs, metrics_http, pki, rpc, systemd
+from ftd import etcd_client, logs, metrics_http, rpc, systemd
+from ftd.authz_interceptors import AioAuthzInterceptor, Guard
+from ftd.identity import PkiError, identity_of
 from ftd.settings import load_or_exit
 
-from . import limits
+from . import validation
 from .control import Controller
 from .etcd_store import EtcdStore
 from .metrics import CoordinatorMetrics
@@ -58,8 +60,8 @@ def check_identity(settings: CoordinatorSettings) -> str:
     if files is None:
         return ""
     try:
-        own = pki.identity_of(files.load().cert_pem)
-    except pki.PkiError as exc:
+        own = identity_of(files.load().cert_pem)
+    except PkiError as exc:
         return str(exc)
     if own is None or own.cluster != settings.cluster:
         return (f"certificate {files.cert_path} is of cluster {own.cluster if own else '?'!r}, but this coordinator "
@@ -73,16 +75,16 @@ async def serve(settings: CoordinatorSettings) -> int:
     if problem:
         log.error("cannot serve with mTLS: %s", problem)
         return 1
-    guard: rpc.Guard | None = None
+    guard: Guard | None = None
     if settings.identity is None:
         log.warning("no pki_dir: serving PLAINTEXT gRPC without authorization on %s; anyone who reaches it may "
                     "register nodes, close jobs and roll back checkpoints (docs/security.md)", settings.listen)
-        server = aio.server(options=[*rpc.SERVER_OPTIONS, *limits.SERVER_SIZE_OPTIONS])
+        server = aio.server(options=[*rpc.SERVER_OPTIONS, *validation.SERVER_SIZE_OPTIONS])
     else:
-        guard = rpc.Guard(cluster=settings.cluster,
-                          on_denied=lambda method, rule: metrics.rpc_denied.labels(method, rule).inc())
-        server = aio.server(options=[*rpc.SERVER_OPTIONS, *limits.SERVER_SIZE_OPTIONS],
-                            interceptors=[rpc.AioAuthzInterceptor(guard)])
+        guard = Guard(cluster=settings.cluster,
+                      on_denied=lambda method, rule: metrics.rpc_denied.labels(method, rule).inc())
+        server = aio.server(options=[*rpc.SERVER_OPTIONS, *validation.SERVER_SIZE_OPTIONS],
+                            interceptors=[AioAuthzInterceptor(guard)])
     host, port = rpc.parse_hostport(settings.listen)
     bound = rpc.add_port(server, rpc.dial_target(host, port), settings.identity)
     if bound == 0:
@@ -94,7 +96,7 @@ async def serve(settings: CoordinatorSettings) -> int:
     try:
         with etcd_client.using_tls(settings.etcd_tls):
             store = EtcdStore(settings.etcd_endpoints, settings.cluster, settings.etcd_timeout_s)
-    except pki.PkiError as exc:
+    except PkiError as exc:
         log.error("cannot reach etcd with TLS: %s", exc)
         return 1
     controller = Controller(store, settings, address, metrics)

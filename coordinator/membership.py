@@ -2,8 +2,11 @@
 
 * Heartbeats touch memory only (:class:`~.detector.Liveness`); etcd sees membership changes only.
 * Decisions are pure functions (:func:`~.admission.decide_registration`, :func:`~.detector.judge`,
-  :func:`~.placement.plan`); this class feeds them the clocks and the view, commits what they
-  decided through :class:`~.leader_state.LeaderState`, and only then believes it.
+  :func:`~.placement.plan`, :func:`~.buddies.choose_buddies`); this class feeds them the clocks and
+  the view, commits what they decided through :class:`~.leader_state.LeaderState`, and only then
+  believes it.
+* Every node's buddy and peer addresses (:mod:`.buddies`) are chosen again when the world or the set
+  of alive nodes changed, and pushed to the nodes whose choice changed (``Assignment.peers``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from dataclasses import dataclass, field
 
 from ftd.logs import set_identity
 from ftd.promotion_fitness import eligible_for_promotion
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import errors, handover_rules, limits
+from . import buddies, errors, handover_rules, rate_limits, validation
 from .admission import check_heartbeat, decide_registration, validate_register
 from .detector import Liveness, State, Verdict, judge
 from .guard_metrics import guard_metrics
@@ -46,6 +49,7 @@ class Stream:
     incarnation: str
     queue: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
     sent_epoch: int = -1
+    sent_peers: buddies.PeerSet | None = None  # what the last Assignment.peers on this stream said
     last_write: float = -1e9  # monotonic time of the last answer written
     close_error: errors.CoordinatorError | None = None
 
@@ -57,9 +61,9 @@ class Stream:
 class Membership:
     def __init__(self, state: LeaderState, settings: CoordinatorSettings, metrics: CoordinatorMetrics,
                  wake: Callable[[], None], clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, limiter: limits.WriteLimiter | None = None) -> None:
+                 wall: Callable[[], float] = time.time, limiter: rate_limits.WriteLimiter | None = None) -> None:
         self.state = state
-        self.limiter = limiter or limits.WriteLimiter(clock=clock)
+        self.limiter = limiter or rate_limits.WriteLimiter(clock=clock)
         self.fenced_node_retention_s = settings.fenced_node_retention_s
         self._gc_at = -1e18
         self.settings = settings
@@ -72,10 +76,17 @@ class Membership:
         self.changed = False  # membership changed since the gauges were last published
         self._lock = asyncio.Lock()
         self._last_judged: float | None = None
+        self._peers_stale = True  # the world or the alive set may have changed since the buddies were chosen
+        self._ring: list[buddies.Peer] = []  # the alive nodes the buddies were chosen among
+        self._reachable: dict[str, buddies.Listed] = {}  # nodes neither dead nor fenced, with an agent address
+        self._every: tuple[buddies.Listed, ...] = ()  # _reachable in node id order: the complete listing
+        self._buddies: dict[str, buddies.Buddy] = {}
 
     def new_term(self) -> None:
-        """A new leadership term: the first judgement has no previous one to measure a stall from."""
+        """A new leadership term: the first judgement has no previous one to measure a stall from, and
+        the buddies are chosen afresh from the reloaded view."""
         self._last_judged = None
+        self._peers_stale = True
 
     # ---- registration ------------------------------------------------------------------------
 
@@ -101,7 +112,7 @@ class Membership:
             if old is not None and old.incarnation != req.incarnation:
                 old.close(errors.StaleIncarnation(f"node {req.node_id} re-registered as a new incarnation"))
             log.info("node %s registered from %s (%s)", req.node_id, req.host, message)
-            self.changed = True
+            self.changed = self._peers_stale = True
             self.wake()
             return coordinator_pb2.RegisterResponse(assignment=view.assignment(req.node_id, True), message=message)
 
@@ -127,7 +138,7 @@ class Membership:
             raise errors.InvalidArgument("node_id", f"changed within one stream ({stream.node_id} -> {req.node_id})")
         if req.incarnation != stream.incarnation:
             raise errors.InvalidArgument("incarnation", f"changed within the stream of node {stream.node_id}")
-        limits.validate_heartbeat_payload(req)
+        validation.validate_heartbeat_payload(req)
         live = view.liveness.get(req.node_id)
         runtime = view.runtime.get(req.node_id)
         if live is None or runtime is None:
@@ -175,11 +186,57 @@ class Membership:
         stream.sent_epoch = view.world.epoch
         response = coordinator_pb2.HeartbeatResponse(assignment=view.assignment(stream.node_id, with_world),
                                                      leader_id=self.settings.effective_replica_id)
+        peers = self.peers_of(view, stream.node_id)
+        if peers != stream.sent_peers:
+            stream.sent_peers = peers
+            response.assignment.peers.CopyFrom(_peers_proto(peers))
         draining = [n for n in view.drains if view.rank_of(n) >= 0]
         if draining:
             response.draining.extend(sorted(draining))
             response.draining_reason = "; ".join(f"{n}: {view.drains[n].reason}" for n in sorted(draining))
         return response
+
+    # ---- buddies and peer addresses ----------------------------------------------------------
+
+    def peers_of(self, view: ClusterView, node_id: str) -> buddies.PeerSet:
+        """What ``node_id`` is told in ``Assignment.peers``: its buddy and the addresses it needs."""
+        label = self.settings.domain_label
+        buddy = self._buddies.get(node_id)
+        if buddy is None:  # dead, fenced, or registered since the last tick: chosen alone
+            node = view.nodes.get(node_id)
+            buddy = buddies.choose_buddy(node_id, node.labels.get(label, "") if node is not None else "", self._ring,
+                                         label)
+        rank, job = view.rank_of(node_id), view.current_job()
+        held: set[str] = set()
+        if len(self._reachable) > buddies.INLINE_PEERS_MAX and rank >= 0 and job is not None:
+            held = buddies.holders(view.catalog, job.job, rank)  # only listed above the inline bound
+        return buddies.peers_for(node_id, buddy, self._reachable, view.world.ranks, held, every=self._every)
+
+    def _refresh_peers(self, view: ClusterView) -> None:
+        """Chooses every node's buddy again once the world or the alive set changed, and pushes the
+        answer to each connected node whose buddy or peer addresses changed."""
+        if not self._peers_stale:
+            return
+        self._peers_stale = False
+        label = self.settings.domain_label
+        ring: list[buddies.Peer] = []
+        reachable: dict[str, buddies.Listed] = {}
+        for node_id in sorted(view.nodes):
+            node = view.nodes[node_id]
+            state, _ = view.state_of(node_id)
+            # A suspect node is not acted on yet: it keeps holding replicas until it is declared dead.
+            if not node.agent_address or state in (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED):
+                continue
+            reachable[node_id] = buddies.Listed(node_id, node.agent_address, view.rank_of(node_id))
+            ring.append(buddies.Peer(node_id, node.labels.get(label, ""), True, node.agent_address))
+        if ring == self._ring and reachable == self._reachable:
+            return
+        self._ring, self._reachable = ring, reachable
+        self._every = tuple(reachable.values())
+        self._buddies = buddies.choose_buddies(ring, label)
+        for stream in self.streams.values():
+            if self.peers_of(view, stream.node_id) != stream.sent_peers:
+                stream.queue.put_nowait(PUSH)
 
     def close_stream(self, stream: Stream) -> None:
         if self.streams.get(stream.node_id) is stream:
@@ -205,44 +262,53 @@ class Membership:
     # ---- detection and reconciliation --------------------------------------------------------
 
     async def tick(self) -> None:
-        """Judges every node, then commits the placement's next step, if any."""
+        """Judges every node, commits the placement's next step, if any, then chooses the buddies again
+        if the world or the alive set changed."""
         async with self._lock:
             view = self.state.require_leader()
-            now = self.clock()
-            self._judge(view, now)
-            planned = self._handovers_due(view)
-            step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
-                        self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
-            if step is None:
-                if now - self._gc_at >= GC_PERIOD_S:
-                    self._gc_at = now
-                    await self._collect(view)
-                return
-            handed = tuple(n for n in step.dead if n in planned)
             try:
-                await self.state.commit("epoch" if step.world else "fence", nodes=step.nodes, world=step.world,
-                                        events=step.events, kv_deletes=[handover_rules.key(n) for n in handed])
-            except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
-                self.changed = True  # publish the gauges now: they show what the leader could not fix
-                return
-            for node_id in handed:
-                view.drains.pop(node_id, None)
-                self.metrics.handovers.inc()
-                log.warning("node %s handed over: %s", node_id, view.verdicts[node_id].reason)
-            for node_id in (n for n in step.dead if n not in planned):
-                self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
-                self.metrics.nodes_declared_dead.inc()
-                log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
-                if step.world is not None and view.current_job() is not None:  # training was interrupted
-                    self.recovery.death_committed(self.clock(), view.verdicts[node_id].silent_s, now)
-            self.changed = True
-            if step.world is not None:
-                self.metrics.epoch_changes.inc()
-                set_identity(epoch=step.world.epoch)
-                size = len(step.world.ranks)
-                shown = list(step.world.ranks) if size <= 16 else f"of {size} ranks"
-                log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
-                self.push_all()
+                await self._reconcile(view)
+            finally:
+                if self.state.view is view:
+                    self._refresh_peers(view)
+
+    async def _reconcile(self, view: ClusterView) -> None:
+        """Judges every node, then commits the placement's next step, if any."""
+        now = self.clock()
+        self._judge(view, now)
+        planned = self._handovers_due(view)
+        step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
+                    self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
+        if step is None:
+            if now - self._gc_at >= GC_PERIOD_S:
+                self._gc_at = now
+                await self._collect(view)
+            return
+        handed = tuple(n for n in step.dead if n in planned)
+        try:
+            await self.state.commit("epoch" if step.world else "fence", nodes=step.nodes, world=step.world,
+                                    events=step.events, kv_deletes=[handover_rules.key(n) for n in handed])
+        except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
+            self.changed = True  # publish the gauges now: they show what the leader could not fix
+            return
+        for node_id in handed:
+            view.drains.pop(node_id, None)
+            self.metrics.handovers.inc()
+            log.warning("node %s handed over: %s", node_id, view.verdicts[node_id].reason)
+        for node_id in (n for n in step.dead if n not in planned):
+            self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
+            self.metrics.nodes_declared_dead.inc()
+            log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
+            if step.world is not None and view.current_job() is not None:  # training was interrupted
+                self.recovery.death_committed(self.clock(), view.verdicts[node_id].silent_s, now)
+        self.changed = self._peers_stale = True
+        if step.world is not None:
+            self.metrics.epoch_changes.inc()
+            set_identity(epoch=step.world.epoch)
+            size = len(step.world.ranks)
+            shown = list(step.world.ranks) if size <= 16 else f"of {size} ranks"
+            log.warning("epoch %d committed: world %s (%s)", step.world.epoch, shown, step.reason)
+            self.push_all()
 
     async def _collect(self, view: ClusterView) -> None:
         """Removes the records of nodes fenced longer than the retention ago (and not back since), so
@@ -266,7 +332,7 @@ class Membership:
             view.forget(node_id)
         guard_metrics(self.metrics.registry).nodes_collected.inc(len(gone))
         log.info("%s", event[2])
-        self.changed = True
+        self.changed = self._peers_stale = True
 
     def _handovers_due(self, view: ClusterView) -> set[str]:
         """Marks the drained nodes whose hand-over is due as leaving (a verdict the placement acts on)
@@ -304,6 +370,7 @@ class Membership:
         detector = self.settings.detector
         judgement = judge(now, view.liveness, detector, self._last_judged)
         self._last_judged = now
+        states = {n: v.state for n, v in view.verdicts.items()}
         if judgement.stalled:
             self.metrics.stalls.inc()
             log.warning("%s; granting every node %.1fs of grace", judgement.stall_reason, detector.dead_after_s)
@@ -323,3 +390,12 @@ class Membership:
                 del view.forced_dead[node_id]
             else:
                 view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
+        if {n: v.state for n, v in view.verdicts.items()} != states:
+            self._peers_stale = True  # the alive set may have changed: the buddies are chosen again
+
+
+def _peers_proto(peers: buddies.PeerSet) -> cluster_pb2.Peers:
+    return cluster_pb2.Peers(
+        buddy=peers.buddy.node_id or "", buddy_reason=peers.buddy.reason, complete=peers.complete,
+        addresses=[cluster_pb2.PeerAddress(node_id=p.node_id, agent_address=p.address, rank=p.rank)
+                   for p in peers.listed])

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # whole string: re.fullmatch
+from ftd.node_ids import valid_node_id
 
 
 class Role(str, enum.Enum):
@@ -28,11 +27,6 @@ class CorruptRecord(ValueError):
     def __init__(self, key: str, why: str) -> None:
         super().__init__(f"record {key!r} is corrupt: {why}")
         self.key = key
-
-
-def valid_node_id(node_id: str) -> bool:
-    """Node ids become etcd keys and directory names: no separators, no dot-dot, bounded length."""
-    return NODE_ID_RE.fullmatch(node_id) is not None and node_id not in (".", "..")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stub
 
 from ftd.authz import AuthzFacts
 from ftd.client import LEADER_METADATA_KEY
-from ftd.pki import Identity
+from ftd.identity import Identity
 from ftd.v1 import checkpoint_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from . import errors
@@ -185,7 +185,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 def authz_facts(controller: Controller) -> Callable[[str, Identity, Mapping[str, object]], AuthzFacts]:
     """What the authorization table's node rules need (:class:`~ftd.authz.AuthzFacts`), from the
-    leader's view, for :class:`ftd.rpc.Guard`: the host the calling node registered from, the members
+    leader's view, for :class:`ftd.authz_interceptors.Guard`: the host the calling node registered from, the members
     of the request's job (its current round) and that round's rank 0. On a standby (or a leader that
     cannot confirm its lease) every fact is unknown: the handler refuses the call there anyway
     (``NotLeader``). A fact that is unknown on the leader is left to the handler, which acts on the

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftd.etcd_client import EtcdTls, parse_endpoints
-from ftd.pki import IdentityFiles, PkiError
+from ftd.identity import IdentityFiles, PkiError
 from ftd.rpc import parse_hostport
 from ftd.settings import require, setting
 
@@ -47,7 +47,9 @@ class CoordinatorSettings:
     tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
     heartbeat_ack_interval_s: float = setting(
         1.0, "answer an agent's heartbeats at most this often (epoch changes are pushed at once)", "s")
-    domain_label: str = setting("rack", "node label naming the failure domain; spares in the same domain are preferred")
+    domain_label: str = setting(
+        "rack", "node label naming the failure domain: spares in the same domain are preferred, buddies (which hold "
+                "a node's memory replicas) are chosen in another")
     max_events: int = setting(1000, "event log entries kept in etcd", "events")
     etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops; bounds how many nodes one epoch change fences",
                                     "operations")

@@ -126,8 +126,9 @@ class StateStore(Protocol):
         node_deletes: Sequence[str] = (),
     ) -> CommitResult: ...
 
-    def list_events(self, limit: int, before_seq: int = 0) -> list[Event]:
-        """The newest ``limit`` events, newest first; with ``before_seq`` only those below it."""
+    def list_events(self, limit: int, before_seq: int = 0, after_seq: int | None = None) -> list[Event]:
+        """The newest ``limit`` events, newest first; with ``before_seq`` only those below it. With
+        ``after_seq`` the oldest ``limit`` events above it instead, oldest first (a watcher's read)."""
 
     def alarms(self) -> list[str]:
         """etcd's raised alarms (``nospace``, ``corrupt``), sorted; ``[]`` when none."""
@@ -248,9 +249,11 @@ class MemoryStore:
             self.kv.update(kv_puts)
             return CommitResult(self.world_revision)
 
-    def list_events(self, limit: int, before_seq: int = 0) -> list[Event]:
+    def list_events(self, limit: int, before_seq: int = 0, after_seq: int | None = None) -> list[Event]:
         with self._lock:
             self._check("list_events")
+            if after_seq is not None:
+                return [self.events[s] for s in sorted(s for s in self.events if s > after_seq)[:limit]]
             seqs = sorted((s for s in self.events if before_seq <= 0 or s < before_seq), reverse=True)
             return [self.events[s] for s in seqs[:limit]]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import handover_rules, limits, rendezvous
+from . import handover_rules, paging, rendezvous, validation
 from .detector import Liveness, State, Verdict
 from .model import NodeRecord, Role, World
 from .store import Snapshot
@@ -190,7 +190,7 @@ class ClusterView:
             dead=dead, suspect=suspect, degraded=world.degraded, degraded_reason=degraded_reason,
             last_change_reason=world.reason, last_change_unix_s=world.changed_unix_s,
             leader_since_unix_s=leader_since, etcd_reachable=etcd_ok, draining=sorted(self.drains),
-            problems=[limits.clip(p, 500) for p in self.problems[:MAX_PROBLEMS_SHOWN]]
+            problems=[validation.clip(p, 500) for p in self.problems[:MAX_PROBLEMS_SHOWN]]
             + ([f"... and {len(self.problems) - MAX_PROBLEMS_SHOWN} more"] if len(self.problems) > MAX_PROBLEMS_SHOWN
                else []),
             etcd_alarms=[f"{a}: {ALARM_HINTS.get(a, 'see etcdctl alarm list')}" for a in self.etcd_alarms],
@@ -198,11 +198,11 @@ class ClusterView:
 
     def node_page(self, now: float, page_size: int = 0, page_token: str = "") -> coordinator_pb2.ListNodesResponse:
         """One page of :meth:`node_infos` in node id order: at most ``page_size`` nodes (0: the
-        default) and :data:`~.limits.MAX_PAGE_BYTES`; ``page_token`` is the last node id of the
+        default) and :data:`~.paging.MAX_PAGE_BYTES`; ``page_token`` is the last node id of the
         previous page, ``next_page_token`` is "" on the last page."""
-        page = limits.page(page_size, page_token)
+        page = paging.page(page_size, page_token)
         ids = sorted(n for n in self.nodes if n > page.token)
-        infos, more = limits.take_page((self.node_info(n, now) for n in ids), page.size,
+        infos, more = paging.take_page((self.node_info(n, now) for n in ids), page.size,
                                        coordinator_pb2.NodeInfo.ByteSize)
         return coordinator_pb2.ListNodesResponse(nodes=infos, next_page_token=infos[-1].node_id if more else "")
 

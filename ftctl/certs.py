@@ -1,4 +1,4 @@
-"""``ftctl certs init|issue|rotate|list``: the cluster's PKI from the operator's machine (:mod:`ftd.pki`).
+"""``ftctl certs init|issue|rotate|list``: the cluster's PKI from the operator's machine (:mod:`ftd.ca`).
 
     ftctl certs init --cluster prod --pki-dir /etc/ftd/pki
     ftctl certs issue node node-7 --host node-7.example --host 10.0.0.7
@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from ftd import pki
+from ftd.ca import CA_DAYS, LEAF_DAYS, certificate_info, init_ca, issue, rotate
+from ftd.identity import KINDS, PkiError, paths
 
 ENV_PKI_DIR = "FTD_PKI_DIR"
 
@@ -46,17 +47,17 @@ def _arguments(certs: argparse.ArgumentParser) -> None:
 
     init = add_parser("init", help="create the cluster CA (ca.crt, ca.key)")
     init.add_argument("--cluster", required=True, help="the cluster's name, part of every identity")
-    init.add_argument("--days", type=int, default=pki.CA_DAYS, help="CA validity [days] (default %(default)s)")
+    init.add_argument("--days", type=int, default=CA_DAYS, help="CA validity [days] (default %(default)s)")
     init.add_argument("--force", action="store_true", help="replace an existing CA (distrusts all it issued)")
     for name, text in (("issue", "issue a certificate for an identity"),
                        ("rotate", "a new key and certificate for an issued identity")):
         cmd = add_parser(name, help=text)
-        cmd.add_argument("kind", choices=pki.KINDS)
+        cmd.add_argument("kind", choices=KINDS)
         cmd.add_argument("name", help="node id, replica id, member name, operator name")
         cmd.add_argument("--host", action="append", default=None, metavar="HOST",
                          help="a DNS name or IP the identity serves at (repeatable; 127.0.0.1, ::1 and localhost "
                               "always; rotate keeps the old hosts unless given)")
-        cmd.add_argument("--days", type=int, default=pki.LEAF_DAYS, help="validity [days] (default %(default)s)")
+        cmd.add_argument("--days", type=int, default=LEAF_DAYS, help="validity [days] (default %(default)s)")
     lst = add_parser("list", help="every certificate with its identity, serial, hosts and expiry")
     lst.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -69,31 +70,31 @@ def pki_dir(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
     workdir = getattr(args, "workdir", None)
     if workdir is not None:
         return Path(workdir) / "pki"
-    raise pki.PkiError(f"no PKI directory: give --pki-dir, {ENV_PKI_DIR}, or --workdir of a local cluster")
+    raise PkiError(f"no PKI directory: give --pki-dir, {ENV_PKI_DIR}, or --workdir of a local cluster")
 
 
 def list_certificates(root: Path) -> list[dict[str, object]]:
     """Every ``*.crt`` under ``root``, the CA first."""
     if not root.is_dir():
-        raise pki.PkiError(f"no PKI directory at {root} (create it with 'ftctl certs init')")
+        raise PkiError(f"no PKI directory at {root} (create it with 'ftctl certs init')")
     found = sorted(root.rglob("*.crt"), key=lambda p: (p.name != "ca.crt", str(p)))
-    return [pki.certificate_info(p) for p in found]
+    return [certificate_info(p) for p in found]
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """Runs ``ftctl certs ...``; a :class:`~ftd.pki.PkiError` is printed (it names the file) as exit 1."""
+    """Runs ``ftctl certs ...``; a :class:`~ftd.identity.PkiError` is printed (it names the file) as exit 1."""
     env = os.environ if env is None else env
     try:
         root = pki_dir(args, env)
         if args.certs_command == "init":
-            path = pki.init_ca(root, args.cluster, args.days, force=args.force)
+            path = init_ca(root, args.cluster, args.days, force=args.force)
             print(f"CA of cluster {args.cluster}: {path} (keep {root / 'ca.key'} off the nodes)")
         elif args.certs_command == "issue":
-            path = pki.issue(root, args.kind, args.name, args.host or (), args.days)
-            print(f"{args.kind}/{args.name}: {path} (key {pki.paths(root, args.kind, args.name)[1]}, mode 0600)")
+            path = issue(root, args.kind, args.name, args.host or (), args.days)
+            print(f"{args.kind}/{args.name}: {path} (key {paths(root, args.kind, args.name)[1]}, mode 0600)")
         elif args.certs_command == "rotate":
-            path = pki.rotate(root, args.kind, args.name, args.host, args.days)
-            info = pki.certificate_info(path)
+            path = rotate(root, args.kind, args.name, args.host, args.days)
+            info = certificate_info(path)
             print(f"{args.kind}/{args.name}: rotated, serial {info['serial']}, until {info['not_after']}")
         else:
             rows = list_certificates(root)
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
                 print(f"{row['identity'] or 'CA':<28} serial {row['serial']:<40} until {row['not_after']}  "
                       f"hosts {hosts}{flag}")
         return 0
-    except pki.PkiError as exc:
+    except PkiError as exc:
         print(f"ftctl certs: {exc}", file=sys.stderr)
         return 1
 

@@ -29,8 +29,9 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from ftd import netlab, pki
+from ftd import netlab
 from ftd.client import CoordinatorClient, CoordinatorUnreachable
+from ftd.identity import DEFAULT_OPERATOR, IdentityFiles, PkiError
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
@@ -134,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
 
     hc = sub.add_parser("health", help="run the health checks of every node (or NODE) now, with values and thresholds")
     hc.add_argument("node", metavar="NODE", nargs="?")
+    hc.add_argument("--clear-gpu-faults", action="store_true",
+                    help="forget the XIDs that keep NODE unhealthy (after resetting the GPU), then check it")
     hc.add_argument("--json", action="store_true")
 
     dr = sub.add_parser("drain", help="hand NODE's rank over to a spare after a final checkpoint (maintenance)")
@@ -231,10 +234,10 @@ def _resolve_token(args: argparse.Namespace, env: dict[str, str]) -> str:
     return token
 
 
-def resolve_identity(args: argparse.Namespace, env: dict[str, str]) -> pki.IdentityFiles | None:
+def resolve_identity(args: argparse.Namespace, env: dict[str, str]) -> IdentityFiles | None:
     """The operator certificate ftctl dials with: ``--pki-dir``/``$FTD_PKI_DIR``, else the local
     cluster's of ``--workdir``; ``None`` (plaintext) when there is none. Loaded once here, so that a
-    missing or bad file is reported by name (:class:`~ftd.pki.PkiError`)."""
+    missing or bad file is reported by name (:class:`~ftd.identity.PkiError`)."""
     given, from_env = getattr(args, "pki_dir", None), env.get(ENV_PKI_DIR)
     if given and from_env and Path(from_env) != given:
         raise UsageError(f"--pki-dir={given} conflicts with {ENV_PKI_DIR}={from_env}; unset one of them")
@@ -244,10 +247,10 @@ def resolve_identity(args: argparse.Namespace, env: dict[str, str]) -> pki.Ident
         root = Path(cluster.pki_dir) if cluster.pki_dir else None
     if root is None:
         return None
-    name = args.operator or env.get(ENV_OPERATOR) or pki.DEFAULT_OPERATOR
+    name = args.operator or env.get(ENV_OPERATOR) or DEFAULT_OPERATOR
     try:
-        files = pki.IdentityFiles(root, "operator", name)
-    except pki.PkiError as exc:
+        files = IdentityFiles(root, "operator", name)
+    except PkiError as exc:
         raise UsageError(str(exc)) from exc
     files.load()
     return files
@@ -338,7 +341,10 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         elif args.command == "drain":
             return _drain(client, args)
         elif args.command == "health":
-            rows = health.check(client, args.node)
+            if args.clear_gpu_faults and not args.node:
+                raise health.HealthCommandError("--clear-gpu-faults needs a NODE")
+            rows = ([health.clear_gpu_faults(client, args.node)] if args.clear_gpu_faults
+                    else health.check(client, args.node))
             _print_json(rows) if args.json else print(health.render(rows))
             return 0 if all(r["healthy"] is not False for r in rows) else 1
         elif args.command == "drill":
@@ -432,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ftctl: coordinator answered {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
         return 1
     except (localcluster.ClusterError, drill.DrillError, checkpoints.CheckpointCommandError, DrainTimeout,
-            health.HealthCommandError, pki.PkiError, netlab.NetlabError) as exc:
+            health.HealthCommandError, PkiError, netlab.NetlabError) as exc:
         print(f"ftctl: {exc}", file=sys.stderr)
         return 1
 

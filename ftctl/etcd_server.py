@@ -35,7 +35,8 @@ from pathlib import Path
 
 import grpc
 
-from ftd import pki
+from ftd.ca import issue
+from ftd.identity import IdentityFiles, paths
 
 log = logging.getLogger("ftd.etcd_server")
 
@@ -108,8 +109,8 @@ class EtcdMember:
         return self.proc.pid if self.proc else None
 
     @property
-    def identity(self) -> pki.IdentityFiles | None:
-        return pki.IdentityFiles(self.pki_dir, "etcd", self.name) if self.pki_dir is not None else None
+    def identity(self) -> IdentityFiles | None:
+        return IdentityFiles(self.pki_dir, "etcd", self.name) if self.pki_dir is not None else None
 
     def tls_flags(self) -> list[str]:
         files = self.identity
@@ -187,8 +188,8 @@ class EtcdCluster:
     def _issue_member_certificates(self) -> None:
         assert self.pki_dir is not None
         for m in self.members:
-            if not pki.paths(self.pki_dir, "etcd", m.name)[0].exists():
-                pki.issue(self.pki_dir, "etcd", m.name)
+            if not paths(self.pki_dir, "etcd", m.name)[0].exists():
+                issue(self.pki_dir, "etcd", m.name)
 
     def start(self, timeout_s: float = 20.0) -> EtcdCluster:
         for attempt in range(3):  # a free port can be taken between probing and binding

@@ -5,7 +5,7 @@ more coordinator replicas, and N active + S spare agents, each with its own node
 started is recorded in ``DIR/cluster.json``; ``down`` stops exactly those processes, after checking
 that each pid still runs a command line naming the workdir (a pid can be reused).
 
-Secure by default, as a real cluster: ``DIR/pki`` holds the cluster's PKI (:func:`ftd.pki.bootstrap`:
+Secure by default, as a real cluster: ``DIR/pki`` holds the cluster's PKI (:func:`ftd.ca.bootstrap`:
 a CA, the operator, and per node, coordinator and etcd member its certificate); every gRPC hop is
 mutual TLS with the authorization table enforced, the embedded etcd requires client certificates and
 has its auth on (:mod:`.etcd_server`), and drills are authorised by the operator certificate (no
@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftd import pki
+from ftd.ca import bootstrap, issue
 from ftd.client import CoordinatorClient, remember_identity
+from ftd.identity import DEFAULT_OPERATOR, IdentityFiles
 
 from . import isolated, s3_server
 from .etcd_server import EtcdCluster, free_port
@@ -99,14 +100,14 @@ class ClusterFile:
         callers of :func:`ftd.ftctl.drill.run`, whose ``token`` is an optional second factor."""
         return ""
 
-    def identity(self, kind: str, name: str) -> pki.IdentityFiles | None:
+    def identity(self, kind: str, name: str) -> IdentityFiles | None:
         """The certificate files of ``kind``/``name`` in this cluster's PKI (``None``: plaintext)."""
-        return pki.IdentityFiles(Path(self.pki_dir), kind, name) if self.pki_dir else None
+        return IdentityFiles(Path(self.pki_dir), kind, name) if self.pki_dir else None
 
     @property
-    def operator(self) -> pki.IdentityFiles | None:
+    def operator(self) -> IdentityFiles | None:
         """The default operator's certificate: what ftctl and tests dial the cluster with."""
-        return self.identity("operator", pki.DEFAULT_OPERATOR)
+        return self.identity("operator", DEFAULT_OPERATOR)
 
     def client(self, timeout_s: float = 5.0) -> CoordinatorClient:
         """A client of this cluster's coordinators as its operator."""
@@ -217,15 +218,15 @@ def up(
     deadline = time.monotonic() + timeout_s
     pki_dir = workdir / "pki"
     if iso:  # every certificate for its host's address (issued afresh: a new lab has new addresses)
-        pki.bootstrap(pki_dir, CLUSTER)
+        bootstrap(pki_dir, CLUSTER)
         identities = [*(("etcd", f"etcd{i}", f"etcd-{i}") for i in range(etcd_members)),
                       *(("coordinator", f"coordinator-{i}", f"coordinator-{i}") for i in range(coordinators)),
                       *((kind, f"node-{i}", f"node-{i}") for i in range(nodes + spares)
                         for kind in ("node", "rendezvous"))]
         for kind, name, host in identities:
-            pki.issue(pki_dir, kind, name, hosts=[isolated.address(iso, host)], force=True)
+            issue(pki_dir, kind, name, hosts=[isolated.address(iso, host)], force=True)
     else:
-        pki.bootstrap(pki_dir, CLUSTER, nodes=[f"node-{i}" for i in range(nodes + spares)],
+        bootstrap(pki_dir, CLUSTER, nodes=[f"node-{i}" for i in range(nodes + spares)],
                       coordinators=[f"coordinator-{i}" for i in range(coordinators)])
     cluster = ClusterFile(str(workdir), "", etcd_endpoints or "", etcd_endpoints is not None,
                           created_unix_s=time.time(), s3_endpoint=s3_endpoint,
@@ -312,7 +313,7 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
     The caller waits on the ready file (:func:`wait_agent`)."""
     workdir = Path(cluster.workdir)
     if cluster.pki_dir:  # its agent and rendezvous certificates, unless issued before
-        pki.bootstrap(Path(cluster.pki_dir), cluster.cluster, nodes=[node_id])
+        bootstrap(Path(cluster.pki_dir), cluster.cluster, nodes=[node_id])
     node_dir = workdir / "nodes" / node_id
     ready = workdir / "run" / f"{node_id}.json"
     log = workdir / "logs" / f"{node_id}.log"
@@ -364,7 +365,7 @@ def wait_agent(cluster: ClusterFile, node_id: str, proc: subprocess.Popen[bytes]
 
 
 def wait_formed(endpoints: str, nodes: int, spares: int, deadline: float,
-                tls: pki.IdentityFiles | None = None) -> None:
+                tls: IdentityFiles | None = None) -> None:
     client = CoordinatorClient(endpoints, timeout_s=2.0, tls=tls)
     last = "no answer"
     try:

@@ -6,7 +6,7 @@ Every method of ``ftd.v1.Coordinator`` and ``ftd.v1.Agent`` has exactly one :cla
 caller's certificate identity, the request's fields and what the server knows (:class:`AuthzFacts`);
 it never raises and denies whatever the table does not allow, unknown methods included. A denial's
 reason names the identity and the rule, so an operator can tell a misconfiguration from an attack.
-Enforcement (an interceptor around every handler) lives in :mod:`ftd.rpc`.
+Enforcement (an interceptor around every handler) lives in :mod:`ftd.authz_interceptors`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ftd.pki import LOCAL, Identity
+from ftd.identity import LOCAL, Identity
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ NODE_ONLY = Rule("node_only", "only a node's agent (or its rendezvous handler, f
 NODE_SELF = Rule("node_self", "nodes act only as themselves")
 JOB_MEMBER = Rule("job_member", "nodes report hangs only for jobs they are members of")
 ROUND_RANK0 = Rule("round_rank0", "only the round's rank 0 publishes its store, at its registered host")
-OPERATOR_ONLY = Rule("operator_only",
-                     "only operators close jobs, roll back, invalidate checkpoints, verify copies and run drills")
+OPERATOR_ONLY = Rule("operator_only", "only operators close jobs, roll back, invalidate checkpoints, verify copies, "
+                                       "clear GPU faults and run drills")
 LOCAL_ONLY = Rule("local_only", "only the training process on this node, over the agent's Unix socket")
 AGENT_PEERS = Rule("agent_peers", "only the cluster's agents stream checkpoint shards to each other")
 
@@ -129,6 +129,8 @@ TABLE: dict[str, Policy] = {
     _A + "VerifyCopy": Policy(_OPERATOR, OPERATOR_ONLY),
     # runs the node's health checks now (ftctl health): a measurement, no state changes
     _A + "CheckHealth": Policy(_AGENT_READERS, READ),
+    # forgets the GPU faults (XIDs) that keep the node unhealthy: an operator's call
+    _A + "ClearGpuFaults": Policy(_OPERATOR, OPERATOR_ONLY),
     # the peer copy path: another node's agent streams a shard copy from here ...
     _A + "ReadShard": Policy(_NODE, AGENT_PEERS),
     # ... on behalf of its own training process, which asks for it over the Unix socket

@@ -5,7 +5,7 @@ A standby answers UNAVAILABLE with the leader's address in the ``ftd-leader`` tr
 client switches to it. A request refused by a standby was not processed, so even a non-idempotent
 call may be re-sent to the leader; any other failure of a non-idempotent call is raised as is.
 
-Transport security: ``tls`` is the caller's identity (:class:`~ftd.pki.IdentityFiles`: agents as
+Transport security: ``tls`` is the caller's identity (:class:`~ftd.identity.IdentityFiles`: agents as
 ``node/<id>``, rendezvous handlers as ``rendezvous/<id>``, ``ftctl`` as an operator). The client
 checks the files' stamp at most once a second; after a rotation, new calls go over channels opened
 with the new certificate, while calls in flight (a heartbeat stream) keep their connection. Without
@@ -23,10 +23,10 @@ from typing import Any
 
 import grpc
 
-from ftd.pki import IdentityFiles, PkiError, TlsMaterial
+from ftd.identity import IdentityFiles, PkiError, TlsMaterial
 from ftd.rpc import Tls, parse_endpoints, rpc_code, rpc_details
 from ftd.rpc import channel as open_channel
-from ftd.v1 import checkpoint_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger("ftd.client")
 LEADER_METADATA_KEY = "ftd-leader"
@@ -212,6 +212,18 @@ class CoordinatorClient:
 
     def events(self, limit: int = 100, **kw: Any) -> coordinator_pb2.ListEventsResponse:
         return self.call("ListEvents", coordinator_pb2.ListEventsRequest(limit=limit), idempotent=True, **kw)  # type: ignore[no-any-return]
+
+    def events_after(self, after_seq: int, limit: int = 1000, **kw: Any) -> list[cluster_pb2.Event]:
+        """Every event after ``after_seq`` (0: all), oldest first, following the pages: how a watcher
+        follows the log, from the newest ``seq`` it has seen."""
+        out: list[cluster_pb2.Event] = []
+        while True:
+            page = self.call("ListEvents", coordinator_pb2.ListEventsRequest(limit=limit, after_seq=after_seq),
+                             idempotent=True, **kw)
+            out.extend(page.events)
+            if not page.next_page_token or not page.events:
+                return out
+            after_seq = page.events[-1].seq
 
     def register(self, request: coordinator_pb2.RegisterRequest, **kw: Any) -> coordinator_pb2.RegisterResponse:
         # Idempotent: the same incarnation registering twice is answered "already registered".

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pyetcd
 
-from ftd.pki import IdentityFiles, PkiError
+from ftd.identity import IdentityFiles, PkiError
 from ftd.rpc import parse_hostport
 
 # Reconnect quickly after an outage and notice a dead member through keepalive within ~4 s: a lease
@@ -68,7 +68,7 @@ class EtcdTls:
         return cls(files.ca_path, files.cert_path, files.key_path)
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """Reads the files now; a missing or unreadable one is a :class:`~ftd.pki.PkiError` naming it."""
+        """Reads the files now; a missing or unreadable one is a :class:`~ftd.identity.PkiError` naming it."""
         def read(path: Path, what: str) -> bytes:
             try:
                 return path.read_bytes()

@@ -1,6 +1,6 @@
 """Whether a spare may be promoted, judged from the health verdict its agent last reported.
 
-The agent evaluates its own health (``ftd.agent.health_checks.evaluate``) and reports the verdict
+The agent evaluates its own health (``ftd.agent.health_rules.evaluate``) and reports the verdict
 with its heartbeats; the coordinator's placement only reads it, through these pure functions of
 ``(verdict, now, max_age_s)``, so a spare that fails — or whose verdict is too old to trust — is
 passed over with a reason an operator can read. Nothing here imports the agent or the proto: any

@@ -1,8 +1,12 @@
-"""Storage tiers for checkpoint shards: local directories and S3-compatible object storage.
+"""Storage tiers for checkpoint shards: local directories, the memory tier (tmpfs) and S3-compatible
+object storage.
 
 Open tiers with :func:`open_backend` / :func:`open_tier` from a :class:`TierSpec` (module
-:mod:`.tiers`); callers then use the :class:`StorageBackend` and :class:`Staging` interfaces only.
-:class:`S3Backend` is imported on first use: boto3 is an optional dependency (the ``s3`` extra).
+:mod:`.tiers`); callers then use the :class:`StorageBackend` and :class:`Staging` interfaces, plus
+two typed capabilities where they need more: :class:`InPlace` (a directory tier's files, to map or
+send without a copy) and :class:`MemoryTier` (the memory tier's budget and keep rule, from
+:attr:`Tier.memory`). boto3 is a core dependency; :class:`S3Backend` is still imported on first use,
+as most processes never open an S3 tier.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .base import (
     AlreadyPublished,
     ChecksumMismatch,
+    InPlace,
     InvalidKey,
     ObjectInfo,
     ObjectNotFound,
@@ -26,6 +31,7 @@ from .base import (
     validate_key,
 )
 from .local import LocalBackend, LocalStaging
+from .memory import MemoryFull, MemoryTier
 from .tiers import LocalSpec, S3Spec, Tier, TierSpec, open_backend, open_tier, open_tiers
 
 if TYPE_CHECKING:
@@ -43,10 +49,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AlreadyPublished",
     "ChecksumMismatch",
+    "InPlace",
     "InvalidKey",
     "LocalBackend",
     "LocalSpec",
     "LocalStaging",
+    "MemoryFull",
+    "MemoryTier",
     "ObjectInfo",
     "ObjectNotFound",
     "Progress",

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, runtime_checkable
 
 import crc32c as _crc32c
 
@@ -256,4 +256,15 @@ class StorageBackend(Protocol):
         on object stores); returns what was removed. ``select``, given the key of the folder or
         object a leftover would have become, limits the cleanup to the leftovers it accepts (one
         writer cleaning only its own, e.g. one rank's shard folders among every rank's)."""
+        ...
+
+
+@runtime_checkable
+class InPlace(Protocol):
+    """A tier whose objects are files of this machine (a directory tier, the memory tier): what a
+    reader that maps files (``mmap``, the peer copy's fast path) needs, without a copy. An object
+    store is none; its readers ask :meth:`StorageBackend.local_folder`, which downloads."""
+
+    def folder_path(self, prefix: str) -> Path:
+        """The directory of folder ``prefix`` on this machine (it may not exist)."""
         ...

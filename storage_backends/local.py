@@ -112,7 +112,8 @@ def rename_noreplace(src: Path, dst: Path) -> None:
 
 
 class LocalBackend:
-    """:class:`~.base.StorageBackend` on a directory. ``root`` is created on the first write."""
+    """:class:`~.base.StorageBackend` (and :class:`~.base.InPlace`) on a directory. ``root`` is
+    created on the first write."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
@@ -198,10 +199,14 @@ class LocalBackend:
                 out.commit()
         return ObjectInfo(key, out.size, mtime, actual)
 
+    def folder_path(self, prefix: str) -> Path:
+        """:class:`~.base.InPlace`: the folder's directory (the key checked like any other)."""
+        return self._path(folder_of(prefix), obj=False)
+
     @contextmanager
     def local_folder(self, prefix: str, names: Iterable[str]) -> Iterator[Path]:
         """The folder itself: its files are already local (no copy, nothing verified here)."""
-        folder = self._path(folder_of(prefix), obj=False)
+        folder = self.folder_path(prefix)
         for name in names:
             check_key(self.name, name, obj=True)
         yield folder

@@ -1,8 +1,9 @@
 """A storage tier on S3-compatible object storage, with boto3.
 
-This module is the backend: keys, objects, folders and their atomic publish. Resumable multipart
-uploads are :mod:`.s3_multipart`'s, retries and error translation :mod:`.s3_errors`' (every call goes
-through :meth:`.s3_errors.S3Caller.call`).
+This module is the backend: keys, objects, folders and their atomic publish. A folder being written
+is :mod:`.s3_staging`'s :class:`~.s3_staging.S3Staging`, resumable multipart uploads are
+:mod:`.s3_multipart`'s, retries and error translation :mod:`.s3_errors`' (every call goes through
+:meth:`.s3_errors.S3Caller.call`).
 
 Why it is written this way:
 
@@ -34,7 +35,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -56,7 +56,6 @@ from .base import (
     Progress,
     StorageError,
     check_key,
-    crc32c_file,
     crc32c_hex,
     folder_of,
     is_reserved,
@@ -73,12 +72,12 @@ from .s3_multipart import (
     crc_b64,
     meta_crc,
 )
+from .s3_staging import PENDING, S3Staging, writer_info
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MARKER = "MANIFEST.json"
-PENDING = ".ftd-staging"
 META_PUBLISH_ID = "ftd-publish-id"
 _DELETE_BATCH = 1000  # DeleteObjects limit
 
@@ -432,7 +431,7 @@ class S3Backend:
         if not keys:
             return 0
         pending = folder + PENDING
-        self._put_bytes(key, pending, json.dumps({"deleting": True, **_writer()}).encode())
+        self._put_bytes(key, pending, json.dumps({"deleting": True, **writer_info()}).encode())
         markers = [k for k in keys if k.rsplit("/", 1)[-1] == marker_name]
         rest = [k for k in keys if k.rsplit("/", 1)[-1] != marker_name and k != pending]
         self._delete_keys(key, markers)
@@ -470,7 +469,7 @@ class S3Backend:
             if isinstance(marker, str) and self._head(key, folder + marker) is not None:
                 raise AlreadyPublished(self.name, key, f"the folder is published (marker {marker})")
             log.info("%s: staging %s again over an unpublished staging", self.name, key)
-        self._put_bytes(key, folder + PENDING, json.dumps(_writer()).encode())
+        self._put_bytes(key, folder + PENDING, json.dumps(writer_info()).encode())
         return S3Staging(self, key, folder)
 
     def is_published(self, prefix: str, marker_name: str) -> bool:
@@ -568,130 +567,6 @@ class S3Backend:
             removed += [self._rel(k) for k in [*doomed, pending["Key"]]]
             log.info("%s: removed abandoned staging %s (%d objects)", self.name, self._rel(folder), len(doomed))
         return sorted(removed)
-
-
-def _writer() -> dict[str, Any]:
-    return {"at_unix_s": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
-
-
-class S3Staging:
-    """A folder whose objects go straight under the final prefix; :meth:`publish` uploads what was
-    written into :meth:`local_dir`, then writes the marker, create-only, as the commit point."""
-
-    def __init__(self, backend: S3Backend, prefix: str, folder: str) -> None:
-        self.backend = backend
-        self.prefix = prefix
-        self._folder = folder
-        self._state = "open"  # -> "published" | "aborted" | "lost" (someone else published it)
-        self._put: dict[str, ObjectInfo] = {}  # name -> what went to the store
-        self._spool: Path | None = None  # local_dir(), made on first use
-        self._sealed: dict[str, ObjectInfo] = {}  # local_dir files as objects() reported them
-
-    def _check_open(self) -> None:
-        if self._state in ("published", "lost"):
-            raise AlreadyPublished(self.backend.name, self.prefix, "this folder was already published")
-        if self._state == "aborted":
-            raise StorageError(self.backend.name, self.prefix, "this staging was aborted")
-
-    def _key(self, name: str) -> str:
-        self._check_open()
-        check_key(self.backend.name, name, obj=True)
-        return f"{self.prefix}/{name}"
-
-    def _record(self, name: str, info: ObjectInfo) -> ObjectInfo:
-        self._put[name] = info
-        return info
-
-    def put_stream(self, name: str, src: BinaryIO, progress: Progress | None = None) -> ObjectInfo:
-        return self._record(name, self.backend.put_stream(self._key(name), src, progress))
-
-    def put_file(self, name: str, path: Path, progress: Progress | None = None) -> ObjectInfo:
-        return self._record(name, self.backend.put_file(self._key(name), path, progress))
-
-    def local_dir(self) -> Path:
-        """A private spool dir (in the tier's ``spool_dir``, else the system's temp dir) whose files
-        are uploaded, resumably, by :meth:`publish`."""
-        self._check_open()
-        if self._spool is None:
-            self._spool = self.backend._spool_dir(self.prefix, ".ftd-stage-")
-        return self._spool
-
-    def _spooled(self) -> list[tuple[str, Path]]:
-        """(name, path) of every file written into :meth:`local_dir`, sorted."""
-        if self._spool is None:
-            return []
-        out: list[tuple[str, Path]] = []
-        for dirpath, _, filenames in os.walk(self._spool):
-            for f in filenames:
-                path = Path(dirpath) / f
-                if path.is_file():
-                    out.append((path.relative_to(self._spool).as_posix(), path))
-        return sorted(out)
-
-    def objects(self) -> list[ObjectInfo]:
-        self._check_open()
-        found = {name: ObjectInfo(name, i.size, i.mtime, i.crc32c) for name, i in self._put.items()}
-        for name, path in self._spooled():
-            check_key(self.backend.name, name, obj=True)
-            try:
-                st = path.stat()
-                found[name] = self._sealed[name] = ObjectInfo(name, st.st_size, st.st_mtime, crc32c_file(path))
-            except OSError as exc:
-                raise os_error(self.backend.name, f"{self.prefix}/{name}", path, exc, "read") from exc
-        return [found[n] for n in sorted(found)]
-
-    def _upload_spool(self) -> None:
-        """Uploads the files of :meth:`local_dir` (resumable: a retried publish skips stored parts)."""
-        for name, path in self._spooled():
-            info = self.put_file(name, path)
-            sealed = self._sealed.get(name)
-            if sealed is not None and (sealed.size, sealed.crc32c) != (info.size, info.crc32c):
-                raise ChecksumMismatch(self.backend.name, f"{self.prefix}/{name}",
-                                       f"changed after objects() reported it: crc32c {sealed.crc32c} size "
-                                       f"{sealed.size}, uploaded crc32c {info.crc32c} size {info.size}")
-
-    def _drop_spool(self) -> None:
-        if self._spool is not None:
-            shutil.rmtree(self._spool, ignore_errors=True)
-            self._spool = None
-
-    def publish(self, marker_name: str, marker: bytes) -> None:
-        key = self._key(marker_name)
-        b = self.backend
-        full = self._folder + marker_name
-        if b._head(key, full) is not None:
-            self._state = "lost"
-            self._drop_spool()
-            raise AlreadyPublished(b.name, self.prefix, f"marker {marker_name} already exists")
-        self._upload_spool()
-        # Name the marker in the pending object first: then a crash right after the marker is
-        # written leaves a folder that stage() and cleanup() still recognise as published.
-        b._put_bytes(self.prefix, self._folder + PENDING, json.dumps({"marker": marker_name, **_writer()}).encode())
-        if not b._put_create_only(key, full, marker):
-            self._state = "lost"
-            self._drop_spool()
-            raise AlreadyPublished(b.name, self.prefix, f"marker {marker_name} was written by another writer")
-        self._state = "published"
-        self._drop_spool()
-        try:
-            b._delete_keys(self.prefix, [self._folder + PENDING])
-        except StorageError as exc:  # harmless: cleanup() removes a pending object next to a marker
-            log.warning("%s: published %s but could not remove its pending object: %s", b.name, self.prefix, exc)
-
-    def abort(self) -> None:
-        """Deletes what was staged (and aborts uploads in flight under the folder). After losing a
-        publish race the folder is someone else's and nothing is deleted."""
-        if self._state != "open":
-            return
-        self._drop_spool()
-        b = self.backend
-        for up in b._list_uploads(self._folder, self.prefix):
-            b._uploads.abort(self.prefix, up["Key"], up["UploadId"])
-        pending = self._folder + PENDING
-        keys = [o["Key"] for o in b._list_raw(self._folder, self.prefix) if o["Key"] != pending]
-        b._delete_keys(self.prefix, keys)
-        b._delete_keys(self.prefix, [pending])
-        self._state = "aborted"
 
 
 __all__ = ["DEFAULT_MARKER", "MIN_PART", "PENDING", "S3Backend", "S3Staging", "crc_b64", "is_transient", "make_client"]

@@ -3,9 +3,11 @@
 A :class:`TierSpec` says everything needed to open a tier: its name, where the catalog records its
 copies, and its storage — a directory (:class:`LocalSpec`) or an S3-compatible bucket with every one
 of its settings (:class:`S3Spec`). The agent builds the specs from its settings and hands the very
-same specs to the training process over ``GetTiers`` (:func:`tiers_to_proto`/:func:`tiers_from_proto`),
-so both sides open identical backends with :func:`open_backend`; a setting added here travels to
-both, instead of one side silently falling back to a default (the S3 region once did).
+same specs to the training process over ``GetTiers`` (the wire form lives at those edges:
+``ftd.agent.tiers_wire`` writes it, ``ftd.training.agent_link`` reads it back), so both sides open
+identical backends with :func:`open_backend`; a setting added here travels to both, instead of one
+side silently falling back to a default (the S3 region once did). The tier named ``mem`` opens as
+the :class:`~.memory.MemoryTier` (its budget and keep rule: :attr:`Tier.memory`).
 
 Credentials are not part of a spec: each process takes them from its own environment, as boto3 does.
 """
@@ -16,9 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ftd.v1 import agent_pb2
-
 from .base import StorageBackend
+from .local import LocalBackend
+from .memory import NAME as MEMORY
+from .memory import MemoryTier
 
 SHARED_LOCATIONS = ("shared", "s3")  # locations of tiers that every node sees (vs. a node id)
 _MIN_PART = 5 << 20  # S3's smallest multipart part
@@ -27,8 +30,8 @@ _MIN_PART = 5 << 20  # S3's smallest multipart part
 @dataclass(frozen=True)
 class LocalSpec:
     """A directory tier: a local disk, a mounted shared filesystem, or the memory tier (a tmpfs
-    directory owned by the agent). ``capacity_bytes``: at most this many bytes held in it (the
-    memory tier's budget, checked before every write; 0: only the filesystem's free space)."""
+    directory owned by the agent). ``capacity_bytes``: the memory tier's budget, checked before
+    every write (0: only the filesystem's free space); other directory tiers have none."""
 
     path: Path
     capacity_bytes: int = 0
@@ -109,14 +112,19 @@ class Tier:
     def shared(self) -> bool:
         return self.spec.shared
 
+    @property
+    def memory(self) -> MemoryTier | None:
+        """The memory tier's own operations (byte budget, keep rule), when this tier is it."""
+        return self.backend if isinstance(self.backend, MemoryTier) else None
+
 
 def open_backend(spec: TierSpec) -> StorageBackend:
-    """The one place where storage backends are constructed. The S3 backend (and boto3, an optional
-    dependency) is imported only when a spec asks for it."""
+    """The one place where storage backends are constructed. The S3 backend is imported only when a
+    spec asks for it (boto3 alone takes 0.15 s to import; most processes never open an S3 tier)."""
     storage = spec.storage
     if isinstance(storage, LocalSpec):
-        from .local import LocalBackend
-
+        if spec.name == MEMORY:
+            return MemoryTier(storage.path, storage.capacity_bytes)
         return LocalBackend(storage.path)
     from .s3 import S3Backend
 
@@ -137,56 +145,6 @@ def open_tiers(specs: Iterable[TierSpec]) -> list[Tier]:
     return [open_tier(spec) for spec in specs]
 
 
-# ---- the wire form (agent.proto's Tiers) ---------------------------------------------------------
-
-
-def spec_to_proto(spec: TierSpec) -> agent_pb2.TierSpec:
-    msg = agent_pb2.TierSpec(name=spec.name, location=spec.location)
-    s = spec.storage
-    if isinstance(s, LocalSpec):
-        msg.local.path = str(s.path)
-        msg.local.capacity_bytes = s.capacity_bytes
-    else:
-        msg.s3.CopyFrom(agent_pb2.S3Tier(
-            endpoint=s.endpoint, bucket=s.bucket, prefix=s.prefix, region=s.region,
-            connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s, max_attempts=s.max_attempts,
-            state_dir=str(s.state_dir) if s.state_dir is not None else "", part_size=s.part_size,
-            concurrency=s.concurrency, backoff_s=s.backoff_s, max_backoff_s=s.max_backoff_s,
-            part_checksum=s.part_checksum, spool_dir=str(s.spool_dir) if s.spool_dir is not None else ""))
-    return msg
-
-
-def spec_from_proto(msg: agent_pb2.TierSpec) -> TierSpec:
-    """Raises ``ValueError`` for a spec that names no storage or carries out-of-range settings."""
-    which = msg.WhichOneof("storage")
-    storage: LocalSpec | S3Spec
-    if which == "local":
-        if not msg.local.path:
-            raise ValueError(f"tier {msg.name!r}: the directory tier has no path")
-        storage = LocalSpec(Path(msg.local.path), msg.local.capacity_bytes)
-    elif which == "s3":
-        s = msg.s3
-        storage = S3Spec(
-            endpoint=s.endpoint, bucket=s.bucket, prefix=s.prefix, region=s.region,
-            connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s, max_attempts=s.max_attempts,
-            state_dir=Path(s.state_dir) if s.state_dir else None, part_size=s.part_size, concurrency=s.concurrency,
-            backoff_s=s.backoff_s, max_backoff_s=s.max_backoff_s, part_checksum=s.part_checksum,
-            spool_dir=Path(s.spool_dir) if s.spool_dir else None)
-    else:
-        raise ValueError(f"tier {msg.name!r} names no storage (an agent older than the training side?)")
-    return TierSpec(msg.name, msg.location, storage)
-
-
-def tiers_to_proto(node_id: str, specs: Iterable[TierSpec]) -> agent_pb2.Tiers:
-    return agent_pb2.Tiers(node_id=node_id, tiers=[spec_to_proto(s) for s in specs])
-
-
-def tiers_from_proto(msg: agent_pb2.Tiers) -> list[TierSpec]:
-    if not msg.tiers:
-        raise ValueError(f"node {msg.node_id!r} reported no tiers (an agent older than the training side?)")
-    return [spec_from_proto(t) for t in msg.tiers]
-
-
 __all__ = [
     "SHARED_LOCATIONS",
     "LocalSpec",
@@ -196,8 +154,4 @@ __all__ = [
     "open_backend",
     "open_tier",
     "open_tiers",
-    "spec_from_proto",
-    "spec_to_proto",
-    "tiers_from_proto",
-    "tiers_to_proto",
 ]

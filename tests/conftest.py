@@ -1,11 +1,14 @@
-"""Fixtures of tests/: a whole local cluster as real processes (etcd fixtures: ../conftest.py)."""
+"""Fixtures of tests/: a whole local cluster as real processes, and a fake cloud metadata server and a hung
+port for the preemption tests (etcd fixtures: ../conftest.py)."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cloud_metadata import FakeMetadata
 
 from ftd.ftctl.localcluster import ClusterFile, stop, up
 
@@ -20,3 +23,25 @@ def local_cluster(tmp_path: Path) -> Iterator[ClusterFile]:
         yield cluster
     finally:
         stop(cluster)
+
+
+@pytest.fixture
+def md() -> Iterator[FakeMetadata]:
+    """A fake cloud metadata server on 127.0.0.1 (tests/cloud_metadata.py), closed after the test."""
+    server = FakeMetadata()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections and never answers: a hung metadata server."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    try:
+        yield int(s.getsockname()[1])
+    finally:
+        s.close()

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from ftd.client import CoordinatorClient
-from ftd.coordinator import catalog, errors, limits
+from ftd.coordinator import catalog, errors, validation
 from ftd.coordinator.control import Controller
 from ftd.coordinator.settings import CoordinatorSettings
 from ftd.coordinator.store import MemoryStore
@@ -34,7 +34,7 @@ from ftd.etcd_client import make_client
 from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import ClusterFile, stop, up
 from ftd.storage_backends.base import crc32c_file
-from ftd.training import checkpoint as training_checkpoint
+from ftd.training import restore as training_restore
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 # ---- real processes -----------------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def dcp_shard(tmp_path: Path) -> tuple[Path, dict[str, tuple[int, str]]]:
 def test_a_verified_dcp_shard_loads(tmp_path: Path) -> None:
     folder, expected = dcp_shard(tmp_path)
     template: dict[str, Any] = {"model": {"w": torch.zeros(6)}, "step": 0}
-    training_checkpoint._load_dcp(folder, expected, template, weights_only=True)
+    training_restore._load_dcp(folder, expected, template, weights_only=True)
     assert torch.equal(template["model"]["w"], torch.arange(6, dtype=torch.float32)) and template["step"] == 7
 
 
@@ -322,7 +322,7 @@ def test_a_crafted_dcp_metadata_is_never_unpickled(tmp_path: Path) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(Boom()))
     expected = {p.name: (p.stat().st_size, crc32c_file(p)) for p in folder.iterdir()}  # a lying node's manifest
     with pytest.raises(ValueError, match=r"refusing to unpickle (posix|os)\.system"):
-        training_checkpoint._load_dcp(folder, expected, {"model": {"w": torch.zeros(6)}}, weights_only=True)
+        training_restore._load_dcp(folder, expected, {"model": {"w": torch.zeros(6)}}, weights_only=True)
     assert not Path("/tmp/ftd-pwned").exists()
 
 
@@ -330,11 +330,11 @@ def test_dcp_metadata_outside_the_manifest_or_pointing_outside_is_refused(tmp_pa
     folder, expected = dcp_shard(tmp_path)
     unlisted = {k: v for k, v in expected.items() if k != ".metadata"}
     with pytest.raises(ValueError, match=r"does not list \.metadata"):
-        training_checkpoint._load_dcp(folder, unlisted, {"model": {"w": torch.zeros(6)}}, weights_only=False)
+        training_restore._load_dcp(folder, unlisted, {"model": {"w": torch.zeros(6)}}, weights_only=False)
     data = [k for k in expected if k.endswith(".distcp")]
     no_data = {k: v for k, v in expected.items() if k not in data}
     with pytest.raises(ValueError, match="not a verified file of this shard"):
-        training_checkpoint._load_dcp(folder, no_data, {"model": {"w": torch.zeros(6)}}, weights_only=True)
+        training_restore._load_dcp(folder, no_data, {"model": {"w": torch.zeros(6)}}, weights_only=True)
 
 
 def test_the_dcp_path_verifies_checksums_before_reading_anything(tmp_path: Path,
@@ -342,15 +342,13 @@ def test_the_dcp_path_verifies_checksums_before_reading_anything(tmp_path: Path,
     folder, expected = dcp_shard(tmp_path)
     (folder / ".metadata").write_bytes(pickle.dumps(Boom()))  # swapped after the manifest was recorded
     reads: list[Path] = []
-    monkeypatch.setattr(training_checkpoint, "_safe_dcp_metadata", reads.append)
-    ck = object.__new__(training_checkpoint.Checkpointer)
-    ck.format = "dcp"
+    monkeypatch.setattr(training_restore, "_safe_dcp_metadata", reads.append)
     with pytest.raises(ValueError, match=r"crc32c|bytes"):
-        ck._verify_and_load(folder, expected, "cpu", {"model": {"w": torch.zeros(6)}}, True)
+        training_restore.load_shard(folder, expected, "dcp", "cpu", {"model": {"w": torch.zeros(6)}}, True)
     assert reads == [], "nothing is unpickled before every file checks out"
 
 
-def test_limits_module_names_the_grpc_size_options() -> None:
-    assert dict(limits.SERVER_SIZE_OPTIONS) == {"grpc.max_receive_message_length": 1 << 20,
-                                                "grpc.max_send_message_length": 16 << 20}
-    assert dict(limits.CLIENT_SIZE_OPTIONS)["grpc.max_receive_message_length"] == 16 << 20
+def test_the_validation_module_names_the_grpc_size_options() -> None:
+    assert dict(validation.SERVER_SIZE_OPTIONS) == {"grpc.max_receive_message_length": 1 << 20,
+                                                    "grpc.max_send_message_length": 16 << 20}
+    assert dict(validation.CLIENT_SIZE_OPTIONS)["grpc.max_receive_message_length"] == 16 << 20

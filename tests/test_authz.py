@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftd import authz, rpc
+from ftd import authz
 from ftd.authz import TABLE, AuthzFacts, authorize
-from ftd.pki import KINDS, LOCAL, LOCAL_IDENTITY, Identity
+from ftd.authz_interceptors import Guard, authz_fields
+from ftd.identity import KINDS, LOCAL, LOCAL_IDENTITY, Identity
 from ftd.v1 import agent_pb2, checkpoint_pb2, coordinator_pb2
 
 C, A = "/ftd.v1.Coordinator/", "/ftd.v1.Agent/"
@@ -126,15 +127,15 @@ def test_method_labels_come_from_a_fixed_set() -> None:
 
 def test_authz_fields_are_the_top_level_fields_the_table_reads() -> None:
     request = checkpoint_pb2.CommitShardRequest(manifest=checkpoint_pb2.ShardManifest(job="j"), location="node-1")
-    assert rpc.authz_fields(request) == {"location": "node-1"}
-    assert rpc.authz_fields(coordinator_pb2.SetRoundStoreRequest(job="j", round=2)) == {
+    assert authz_fields(request) == {"location": "node-1"}
+    assert authz_fields(coordinator_pb2.SetRoundStoreRequest(job="j", round=2)) == {
         "job": "j", "round": 2, "node_id": "", "address": ""}  # defaults are present
-    assert rpc.authz_fields(None) == {}
+    assert authz_fields(None) == {}
 
 
 def test_guard_counts_denials() -> None:
     seen: list[tuple[str, str]] = []
-    guard = rpc.Guard(cluster="c1", on_denied=lambda method, rule: seen.append((method, rule)))
+    guard = Guard(cluster="c1", on_denied=lambda method, rule: seen.append((method, rule)))
     assert guard.decide(C + "Register", N1, coordinator_pb2.RegisterRequest(node_id="node-1")).allowed
     assert not guard.decide(C + "Register", N1, coordinator_pb2.RegisterRequest(node_id="node-0")).allowed
     assert not guard.decide("/x/y", N1, None).allowed
@@ -148,7 +149,7 @@ def test_guard_asks_for_facts_only_when_a_rule_needs_them() -> None:
         asked.append(method)
         return AuthzFacts(job_members=frozenset(), cluster="ignored: the guard's own wins")
 
-    guard = rpc.Guard(cluster="c1", facts=facts)
+    guard = Guard(cluster="c1", facts=facts)
     assert guard.decide(C + "GetStatus", N1, coordinator_pb2.GetStatusRequest()).allowed
     hang = coordinator_pb2.ReportHangRequest(job="j", node_id="node-1")
     assert guard.decide(C + "ReportHang", N1, hang).rule == "job_member"

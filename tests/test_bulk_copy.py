@@ -15,6 +15,7 @@ from doubles import flipping_proxy
 
 from ftd.agent import bulk_copy
 from ftd.agent.peer_copy import PeerFetcher, _remove_all
+from ftd.checkpoints.layout import shard_prefix
 from ftd.storage_backends.base import crc32c_hex
 
 CHUNK = 4096
@@ -107,7 +108,7 @@ def _fetcher(spool: Path) -> PeerFetcher:
 
 
 def _old_copy(spool: Path, step: int) -> Path:
-    old = spool / "job" / f"step-{step}" / "rank-0-node-1"
+    old = spool / shard_prefix("job", step, 0)  # the spool is laid out as any tier
     old.mkdir(parents=True)
     (old / "state.pt").write_bytes(b"x" * 1000)
     return old
@@ -115,7 +116,7 @@ def _old_copy(spool: Path, step: int) -> Path:
 
 def test_an_earlier_copy_is_moved_aside_and_freed_after(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
-    old, other_rank = _old_copy(spool, 3), spool / "job" / "step-3" / "rank-1-node-1"
+    old, other_rank = _old_copy(spool, 3), spool / shard_prefix("job", 3, 1)
     other_rank.mkdir()
     stale = _fetcher(spool)._forget("job", 0, incoming=1000)
     assert not old.exists() and other_rank.exists()
@@ -133,7 +134,7 @@ def test_without_room_an_earlier_copy_goes_first(tmp_path: Path) -> None:
 
 
 def test_what_a_crash_left_being_freed_goes_at_start(tmp_path: Path) -> None:
-    leftover = tmp_path / "spool" / ".stale" / "rank-0-node-1-abcd"
+    leftover = tmp_path / "spool" / ".stale" / "rank-00000-abcd"
     leftover.mkdir(parents=True)
     _fetcher(tmp_path / "spool")
     assert not leftover.exists()

@@ -15,11 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ftd import pki, rpc
+from ftd import rpc
+from ftd.ca import issue
 from ftd.client import CoordinatorClient
 from ftd.coordinator.etcd_store import EtcdStore
 from ftd.etcd_client import EtcdTls, using_tls
 from ftd.ftctl.localcluster import ClusterFile, spawn_agent, wait_agent
+from ftd.identity import IdentityFiles
 from ftd.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 from ftd.waiting import wait_for
 
@@ -34,7 +36,7 @@ def state_of(client: CoordinatorClient, node_id: str) -> int:
     return next(n.state for n in client.nodes().nodes if n.node_id == node_id)
 
 
-def identity(cluster: ClusterFile, kind: str, name: str) -> pki.IdentityFiles:
+def identity(cluster: ClusterFile, kind: str, name: str) -> IdentityFiles:
     files = cluster.identity(kind, name)
     assert files is not None
     return files
@@ -120,7 +122,7 @@ def test_bad_input_gets_precise_grpc_errors(local_cluster: ClusterFile) -> None:
     client = local_cluster.client()
     pki_dir = Path(local_cluster.pki_dir)
     for name in ("ghost-7", "n9"):
-        pki.issue(pki_dir, "node", name)  # certificates of nodes the coordinator has never seen
+        issue(pki_dir, "node", name)  # certificates of nodes the coordinator has never seen
     channels = {name: rpc.channel(local_cluster.coordinator_endpoints.split(",")[0],
                                   tls=identity(local_cluster, "node", name))
                 for name in ("ghost-7", "n9", "node-1")}

@@ -24,7 +24,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from storage_fixtures import MotoServer
 
-from ftd.agent import health
+from ftd.agent.health_measure import GpuSampler
+from ftd.agent.health_monitor import health_proto
+from ftd.agent.health_rules import Measurements
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = {"boto3": "s3", "nvidia-ml-py": "gpu"}  # now core -> the extra kept as its alias
@@ -192,13 +194,12 @@ def test_nvml_bindings_import_and_the_probe_is_a_no_op_without_a_driver() -> Non
     import pynvml  # nvidia-ml-py, a core dependency
 
     assert hasattr(pynvml, "nvmlInit")
-    probe = health.GpuProbe()
-    sample = probe.sample()
+    probe = GpuSampler()
+    sample = health_proto(Measurements(gpus=probe.measure()), None)
     if probe.available:  # a GPU node: one value per device
-        assert sample is not None and sample.count >= 1 and len(sample.utilization_pct) == sample.count
+        assert sample.gpu.count >= 1 and len(sample.gpu.utilization_pct) == sample.gpu.count
     else:  # no driver here: nothing reported, not "zero GPUs"
-        assert sample is None
-        assert not health.sample({}, probe).HasField("gpu")
+        assert not sample.HasField("gpu")
 
 
 class FakeNvml:
@@ -229,8 +230,8 @@ class FakeNvml:
 
 def test_the_probe_reports_every_gpu_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
-    probe = health.GpuProbe()
+    probe = GpuSampler()
     assert probe.available
-    sample = probe.sample()
-    assert sample is not None and sample.count == 8
+    sample = health_proto(Measurements(gpus=probe.measure()), None).gpu
+    assert sample.count == 8
     assert list(sample.utilization_pct) == [90, 90, 90, 10, 90, 90, 90, 90]  # GPU 3 is not averaged away

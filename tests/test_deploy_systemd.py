@@ -23,12 +23,13 @@ from typing import Any
 
 import pytest
 
-from ftd import pki
 from ftd.agent.settings import ENV_PREFIX as AGENT_ENV_PREFIX
 from ftd.agent.settings import AgentSettings
+from ftd.ca import init_ca, issue
 from ftd.coordinator.settings import ENV_PREFIX as COORDINATOR_ENV_PREFIX
 from ftd.coordinator.settings import CoordinatorSettings
 from ftd.ftctl.etcd_server import EtcdCluster, etcd_binary, free_port
+from ftd.identity import paths
 from ftd.settings import load, read_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,14 +103,15 @@ def test_units_are_hardened(unit: str) -> None:
 
 def test_protect_proc_invisible_hides_nothing_the_agent_reads() -> None:
     """ProtectProc=invisible hides other users' processes. The agent reads /proc only for its own
-    descendants (hang detection, drills; the threads of the standby workers it started) and for
-    /proc/meminfo (not a process), all of which it can see as the agent's user."""
-    sources = {p: p.read_text() for p in (ROOT / "agent").glob("*.py")}
+    descendants (hang detection, drills; the threads of the standby workers it started), for
+    /proc/meminfo and the kernel's boot id (not processes), all of which it can see as the agent's user."""
+    sources = {p: p.read_text() for p in [*(ROOT / "agent").glob("*.py"), ROOT / "storage_backends" / "memory.py"]}
     readers = sorted(p.name for p, text in sources.items() if "/proc" in text)
-    assert readers == ["memory_tier.py", "training.py", "warm_pool.py"], readers
+    assert readers == ["health_monitor.py", "memory.py", "torchrun_supervisor.py", "warm_pool.py"], readers
     assert 'f"/proc/{pid}/task"' in sources[ROOT / "agent" / "warm_pool.py"]  # its own standbys' threads
-    assert '"/proc/meminfo"' in sources[ROOT / "agent" / "memory_tier.py"]
-    text = sources[ROOT / "agent" / "training.py"]
+    assert '"/proc/meminfo"' in sources[ROOT / "storage_backends" / "memory.py"]  # the memory tier's budget
+    assert '"/proc/sys/kernel/random/boot_id"' in sources[ROOT / "agent" / "health_monitor.py"]  # a reboot clears XIDs
+    text = sources[ROOT / "agent" / "torchrun_supervisor.py"]
     assert 'Path(f"/proc/{pid}/stat")' in text and 'os.listdir("/proc")' in text
     assert "def descendants(pid: int)" in text  # walks the children of the process it started
 
@@ -278,7 +280,7 @@ def test_the_units_read_the_example_pki_paths() -> None:
 
 
 def _etcdctl(env: dict[str, str], root: Path, kind: str, name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    crt, key = pki.paths(root, kind, name)
+    crt, key = paths(root, kind, name)
     return subprocess.run(["etcdctl", *args], env={**env, "ETCDCTL_CERT": str(crt), "ETCDCTL_KEY": str(key)},
                           capture_output=True, text=True, timeout=60)
 
@@ -292,10 +294,10 @@ def test_etcd_example_with_mutual_tls_and_the_auth_script(tmp_path: Path) -> Non
     may do what: the coordinator's certificate on /ftd/, the rendezvous' on torch's prefixes, nothing for a
     node's or an operator's, no client without a certificate; the quota and the metrics FtdEtcdNoSpace reads."""
     root = tmp_path / "pki"
-    pki.init_ca(root, "training-a")
+    init_ca(root, "training-a")
     for kind, name in (("etcd", "etcd-1"), ("coordinator", "c0"), ("rendezvous", "n1"), ("node", "n1"),
                        ("operator", "alice")):
-        pki.issue(root, kind, name)
+        issue(root, kind, name)
     flags = dict(line.split("=", 1) for line in (UNITS / "etcd.env").read_text().splitlines()
                  if line and not line.startswith("#"))
     client, peer, metrics = free_port(), free_port(), free_port()
@@ -318,7 +320,7 @@ def test_etcd_example_with_mutual_tls_and_the_auth_script(tmp_path: Path) -> Non
     ctl = {**env, "ETCDCTL_ENDPOINTS": f"https://127.0.0.1:{client}", "ETCDCTL_CACERT": str(root / "ca.crt"),
            "ETCDCTL_DIAL_TIMEOUT": "3s", "ETCDCTL_COMMAND_TIMEOUT": "5s"}
     try:
-        member = dict(zip(("ETCDCTL_CERT", "ETCDCTL_KEY"), map(str, pki.paths(root, "etcd", "etcd-1")), strict=True))
+        member = dict(zip(("ETCDCTL_CERT", "ETCDCTL_KEY"), map(str, paths(root, "etcd", "etcd-1")), strict=True))
         for run in range(2):  # idempotent: the second run changes nothing and succeeds
             out = subprocess.run(["sh", str(UNITS / "etcd-enable-auth.sh")], env={**ctl, **member, "WAIT_S": "60"},
                                  capture_output=True, text=True, timeout=180)

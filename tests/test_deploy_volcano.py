@@ -26,7 +26,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from test_deploy_kubernetes import FIELD_VALUES, _container, _pod_spec, _resolved_env, _settings
+from kubernetes_manifests import FIELD_VALUES, container_of, load_settings, pod_spec_of, resolved_env
 
 from ftd.agent.settings import ENV_PREFIX as AGENT_ENV_PREFIX
 from ftd.agent.settings import AgentSettings
@@ -292,7 +292,7 @@ def test_a_lost_node_does_not_fail_the_job() -> None:
 def test_torchrun_uses_the_ftd_rendezvous_on_the_agents_coordinators(tmp_path: Path) -> None:
     args = _torchrun_args()
     assert args.rdzv_backend == "ftd"
-    agent = _settings("DaemonSet", "ftd-agent", "agent", AgentSettings, AGENT_ENV_PREFIX, tmp_path)
+    agent = load_settings("DaemonSet", "ftd-agent", "agent", AgentSettings, AGENT_ENV_PREFIX, tmp_path)
     assert args.rdzv_endpoint == agent.coordinators  # the coordinators, as the agents reach them
     assert args.rdzv_id == _find("PodGroup")["metadata"]["name"] == _find("Job")["metadata"]["name"]
     assert args.max_restarts >= 1000  # the budget is the job's, in --rdzv-conf
@@ -308,7 +308,7 @@ def test_ftds_rendezvous_handler_reads_the_pods_command_line_and_environment(
 
     from ftd.training.rendezvous import FtdRendezvousHandler, create_handler
 
-    env = _resolved_env(_train_container())
+    env = resolved_env(_train_container())
     for key in ("FTD_NODE_ID", "FTD_HOST", "FTD_AGENT_SOCKET"):
         monkeypatch.setenv(key, env[key])
     args = _torchrun_args()
@@ -325,7 +325,7 @@ def test_ftds_rendezvous_handler_reads_the_pods_command_line_and_environment(
         assert handler.min_nodes == _find("PodGroup")["spec"]["minMember"]
         assert handler.max_restarts == 50
         assert handler.agent is not None
-        agent = _settings("DaemonSet", "ftd-agent", "agent", AgentSettings, AGENT_ENV_PREFIX, tmp_path)
+        agent = load_settings("DaemonSet", "ftd-agent", "agent", AgentSettings, AGENT_ENV_PREFIX, tmp_path)
         assert handler.agent.socket_path == str(agent.effective_socket)
     finally:
         handler.shutdown()
@@ -334,15 +334,15 @@ def test_ftds_rendezvous_handler_reads_the_pods_command_line_and_environment(
 def test_the_pod_is_on_its_nodes_agent(tmp_path: Path) -> None:
     container = _train_container()
     env = {e["name"]: e for e in container["env"]}
-    agent_container = _container("DaemonSet", "ftd-agent", "agent")
+    agent_container = container_of("DaemonSet", "ftd-agent", "agent")
     agent_env = {e["name"]: e for e in agent_container["env"]}
     # The same node identity and address as the agent.
     assert env["FTD_NODE_ID"]["valueFrom"] == agent_env["FTD_AGENT_NODE_ID"]["valueFrom"]
     assert env["FTD_HOST"]["valueFrom"] == agent_env["FTD_AGENT_HOST"]["valueFrom"]
     # The agent's socket and tier directories are the same host directories, at the same paths (the
     # Checkpointer opens the paths the agent's GetTiers returns).
-    agent = _settings("DaemonSet", "ftd-agent", "agent", AgentSettings, AGENT_ENV_PREFIX, tmp_path)
-    agent_pod, pod = _pod_spec("DaemonSet", "ftd-agent"), _job_pod()["spec"]
+    agent = load_settings("DaemonSet", "ftd-agent", "agent", AgentSettings, AGENT_ENV_PREFIX, tmp_path)
+    agent_pod, pod = pod_spec_of("DaemonSet", "ftd-agent"), _job_pod()["spec"]
 
     def host_path(pod_spec: dict[str, Any], c: dict[str, Any], path: Path) -> tuple[str, Path]:
         mounts = [m for m in c["volumeMounts"] if path.is_relative_to(m["mountPath"])]

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ftd import rpc
-from ftd.coordinator import limits
+from ftd.coordinator import validation
 from ftd.coordinator.control import Controller
 from ftd.coordinator.service import add_to_server
 from ftd.coordinator.settings import CoordinatorSettings
@@ -177,7 +177,7 @@ class Harness:
         self.thread.start()
         self.port = self.call(self._start())
         self.channel = grpc.insecure_channel(
-            f"127.0.0.1:{self.port}", options=[*rpc.CHANNEL_OPTIONS, *limits.CLIENT_SIZE_OPTIONS])
+            f"127.0.0.1:{self.port}", options=[*rpc.CHANNEL_OPTIONS, *validation.CLIENT_SIZE_OPTIONS])
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     def call(self, coro: Any) -> Any:
@@ -206,7 +206,7 @@ class Harness:
                     job="j", step=100, epoch=1, rank=rank, world_size=2, format="torch",
                     files=[checkpoint_pb2.ShardFile(name="state.pt", size=1, crc32c="0a0b0c0d")])))
         assert self.store.world.ranks == ("a", "b")
-        self.server = aio.server(options=[*rpc.SERVER_OPTIONS, *limits.SERVER_SIZE_OPTIONS])
+        self.server = aio.server(options=[*rpc.SERVER_OPTIONS, *validation.SERVER_SIZE_OPTIONS])
         add_to_server(self.server, self.ctl)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()

@@ -7,7 +7,7 @@ import threading
 
 from ftd.agent.handover_relay import Handover
 from ftd.agent.metrics import AgentMetrics
-from ftd.agent.preemption import Notice, NoticeKind
+from ftd.agent.preemption_notices import Notice, NoticeKind
 from ftd.training.handover_stop import HandoverFlag, agree_any
 from ftd.v1 import coordinator_pb2
 from ftd.waiting import wait_for

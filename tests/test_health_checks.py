@@ -1,6 +1,7 @@
 """Node health checks: the verdict is a pure function of (measurements, thresholds), tested by building
-records; disks and a fake NVML are measured for real; the network probe is a real 2-process gloo
-all-reduce on 127.0.0.1; the promotion rule is a pure function of (verdict, now, max_age_s)."""
+records; disks and a fake NVML are measured for real (through the agent's one NVML sampler); the network
+probe is a real 2-process gloo all-reduce on 127.0.0.1; the promotion rule is a pure function of
+(verdict, now, max_age_s)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from ftd.agent.health_checks import (
+from ftd.agent.health_measure import GpuSampler, XidEvent, measure, measure_disks
+from ftd.agent.health_probe import main, probe_command, probe_peer
+from ftd.agent.health_rules import (
     Check,
     DiskMeasurement,
     GpuDevice,
@@ -23,16 +26,9 @@ from ftd.agent.health_checks import (
     HealthThresholds,
     Measurements,
     ProbeResult,
-    XidMonitor,
     evaluate,
     format_bytes,
-    main,
-    measure,
-    measure_disks,
-    measure_gpus,
     parse_size,
-    probe_command,
-    probe_peer,
 )
 from ftd.ftctl.etcd_server import free_port
 from ftd.promotion_fitness import eligible_for_promotion, split_candidates
@@ -219,6 +215,12 @@ class FakeNvml:
         assert (error_type, counter) == (1, 0)  # uncorrected, volatile
         return self._answer(self.eccs[handle])
 
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return type("Utilization", (), {"gpu": 50})()
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        return type("Memory", (), {"used": 1 << 30})()
+
     def nvmlEventSetCreate(self) -> str:
         return "set"
 
@@ -237,48 +239,55 @@ class FakeNvml:
 
 def test_measure_gpus_guards_each_nvml_call() -> None:
     nv = FakeNvml(temps=[41, NVMLError(15, "GPU is lost"), 60], eccs=[0, 0, NVMLError(3, "Not Supported")])
-    g = measure_gpus(nv)
-    assert g.available and g.count == 3 and nv.inits == nv.shutdowns == 1
-    assert g.devices == (GpuDevice(0, 41.0, 0), GpuDevice(1, None, 0), GpuDevice(2, 60.0, None))
+    sampler = GpuSampler(nv)
+    g = sampler.measure()
+    assert g.available and g.count == 3 and nv.inits == 1
+    assert [(d.index, d.temperature_c, d.ecc_uncorrectable) for d in g.devices] == [(0, 41.0, 0), (1, None, 0),
+                                                                                    (2, 60.0, None)]
     assert g.errors == ("gpu1 temperature: GPU is lost",)  # unsupported ECC is unknown, not an error
     report = evaluate(Measurements(gpus=g), HealthThresholds(expected_gpus=3))
     assert not report.healthy and report.reason == "NVML query failed: gpu1 temperature: GPU is lost"
+    sampler.measure()
+    assert nv.inits == 1, "one NVML initialisation for every measurement"
+    sampler.close()
+    assert nv.shutdowns == 1
 
 
 def test_measure_gpus_without_nvml() -> None:
-    g = measure_gpus()  # the test environment has no pynvml (nvidia-ml-py is the optional [gpu] extra)
+    g = GpuSampler().measure()  # pynvml is a core dependency, but this machine has no NVIDIA driver
     if g.available:
         pytest.skip("NVML is present here")
     assert g.count == 0 and g.unavailable_reason
-    failed = measure_gpus(FakeNvml([], [], init_error=True))
-    assert not failed.available and "Driver Not Loaded" in failed.unavailable_reason
+    failed = GpuSampler(FakeNvml([], [], init_error=True))
+    assert not failed.available and "Driver Not Loaded" in failed.measure().unavailable_reason
+    assert not failed.watches_xids
 
 
-def test_xid_monitor_drains_events_without_waiting() -> None:
+def test_xid_events_are_drained_without_waiting() -> None:
     nv = FakeNvml(temps=[40, 40], eccs=[0, 0])
-    monitor = XidMonitor(nv)
-    assert monitor.available
-    assert monitor.drain() == ()
+    sampler = GpuSampler(nv)
+    assert sampler.watches_xids
+    assert sampler.drain_xids() == ()
     nv.events = [79, 13, 48]
-    assert monitor.drain(max_events=2) == (79, 13)
-    g = measure_gpus(nv, monitor)
-    assert g.xids == (48,)
-    assert evaluate(Measurements(gpus=g), HealthThresholds()).reason == "XID errors 48 (allowed: 13, 31, 43, 45)"
-    monitor.close()
-    assert monitor.drain() == ()
-    assert not XidMonitor(FakeNvml([], [], init_error=True)).available
+    assert sampler.drain_xids(max_events=2) == (XidEvent(79), XidEvent(13))
+    m = measure({}, sampler, now_unix=T0)  # the one-shot measurement (health_probe check) drains the rest
+    assert m.gpus.xids == (48,)
+    assert evaluate(m, HealthThresholds()).reason == "XID errors 48 (allowed: 13, 31, 43, 45)"
+    sampler.close()
+    assert sampler.drain_xids() == ()
 
 
 # ---- the network probe ----------------------------------------------------------------------------
 
 
 def test_the_agent_process_never_imports_torch() -> None:
-    code = "import sys, ftd.agent.health_checks as h; h.probe_command(0, '127.0.0.1:1'); print('torch' in sys.modules)"
+    code = ("import sys, ftd.agent.health_monitor, ftd.agent.health_probe as h; h.probe_command(0, '127.0.0.1:1'); "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
     cmd = probe_command(1, "10.0.0.2:29400", timeout_s=12)
-    assert cmd[1:4] == ["-m", "ftd.agent.health_checks", "probe"] and "--timeout-s" in cmd
+    assert cmd[1:4] == ["-m", "ftd.agent.health_probe", "probe"] and "--timeout-s" in cmd
 
 
 @pytest.mark.slow

@@ -16,17 +16,19 @@ import grpc
 import pytest
 
 from ftd import rpc
-from ftd.agent import memory_tier
-from ftd.agent.memory_tier import MemoryFull, admit, check_capacity, default_capacity, make_room, snapshots
-from ftd.agent.replicator import ReplicaRefused, ReplicationMetrics, Replicator
+from ftd.agent.errors import AgentError
+from ftd.agent.peers import Buddy
+from ftd.agent.replicator import ReplicationMetrics, Replicator
 from ftd.agent.tiering import Tiering
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef, ShardRecord
 from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, shard_prefix
+from ftd.coordinator.buddies import Peer, choose_buddy
 from ftd.storage_backends.base import crc32c_hex
+from ftd.storage_backends.memory import KEEP, MemoryFull, MemoryTier, default_capacity, evictions, superseded
 from ftd.storage_backends.tiers import LocalSpec, Tier, TierSpec, open_tier
 from ftd.training.cadence import CadencePolicy
-from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2, coordinator_pb2
+from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
 
 JOB = "job"
 MiB = 1 << 20
@@ -46,6 +48,15 @@ def mem_tier(root: Path, node: str, capacity: int = 0) -> Tier:
     return open_tier(TierSpec("mem", node, LocalSpec(root, capacity)))
 
 
+def store(tier: Tier) -> MemoryTier:
+    assert tier.memory is not None, "the tier named mem opens as the memory tier"
+    return tier.memory
+
+
+def snapshots(root: Path, job: str, rank: int) -> list[int]:
+    return MemoryTier(root).snapshots(job, rank)
+
+
 # ---- budget and per-rank limit -----------------------------------------------------------------------
 
 
@@ -54,11 +65,21 @@ def test_a_third_snapshot_replaces_the_oldest_and_pinned_ones_stay(tmp_path: Pat
     for step in (1, 2):
         publish(tier, step, 0)
     publish(tier, 5, 1)  # another rank: untouched
-    assert make_room(tier.backend, tmp_path / "mem", JOB, 0, 3) == [1]
+    assert store(tier).make_room(JOB, 0, 3) == [1]
     publish(tier, 3, 0)
     assert snapshots(tmp_path / "mem", JOB, 0) == [2, 3] and snapshots(tmp_path / "mem", JOB, 1) == [5]
-    assert make_room(tier.backend, tmp_path / "mem", JOB, 0, 4, pinned={2}) == []  # being copied to the SSD
+    assert store(tier).make_room(JOB, 0, 4, pinned={2}) == []  # being copied to the SSD
     assert snapshots(tmp_path / "mem", JOB, 0) == [2, 3]
+
+
+def test_the_keep_rule_is_one_rule_for_the_tier_the_buddy_and_the_catalog() -> None:
+    assert evictions([1, 2], 3) == [1] and evictions([1, 2, 3], 3) == [1]  # a held 3 is replaced, not counted
+    assert evictions([4, 6], 5) == [4] and evictions([7], 5) == []  # an older incoming step still stays
+    assert superseded([4, 6], 3) and not superseded([4, 6], 5) and not superseded([4, 6], 4)
+    a = CopyRef("mem", "a")
+    recs = [record(s, {0: {a}}, world=1) for s in (1, 2, 3)]
+    _, removed = rules.prune_memory(recs, 0, "a")
+    assert [r.step for r in removed] == evictions([1, 2], 3)  # the catalog drops what the node deletes
 
 
 def test_a_snapshot_over_the_budget_is_refused_naming_the_sizes(tmp_path: Path) -> None:
@@ -68,13 +89,13 @@ def test_a_snapshot_over_the_budget_is_refused_naming_the_sizes(tmp_path: Path) 
     publish(tier, 2, 0, b"b" * 4000)
     # The oldest goes first; then 4 KiB held + 7 KiB more exceeds the 10 KB budget: refused, nothing written.
     with pytest.raises(MemoryFull) as err:
-        admit(tier.backend, root, 10_000, JOB, 0, 3, 7000, "the memory snapshot of step 3 (rank 0)")
+        store(tier).admit(JOB, 0, 3, 7000, "the memory snapshot of step 3 (rank 0)")
     text = str(err.value)
     assert "memory tier full" in text and "7000 bytes" in text and "10000 bytes" in text and "refused" in text
     assert snapshots(root, JOB, 0) == [2]
-    assert admit(tier.backend, root, 10_000, JOB, 0, 3, 5000, "step 3") == []  # fits now
+    assert store(tier).admit(JOB, 0, 3, 5000, "step 3") == []  # fits now
     with pytest.raises(MemoryFull, match="filesystem has"):
-        check_capacity(root, 0, 1 << 60, "an exabyte")  # no budget: the filesystem's free space still counts
+        MemoryTier(root).check_capacity(1 << 60, "an exabyte")  # no budget: the filesystem's free space still counts
 
 
 def test_the_default_budget_is_a_quarter_of_the_memory(tmp_path: Path) -> None:
@@ -204,30 +225,35 @@ class Agent(agent_pb2_grpc.AgentServicer):
                    context: grpc.ServicerContext) -> agent_pb2.WriteShardResponse:
         try:
             return self.replicator.receive(request_iterator)
-        except ReplicaRefused as exc:
+        except AgentError as exc:
             context.abort(exc.code, str(exc))
         raise AssertionError("unreachable")
 
 
+def told_buddy(me: str, rack: str, peers: list[Peer]) -> Buddy:
+    """The buddy the coordinator would name in ``me``'s assignment (coordinator/buddies.py)."""
+    chosen = choose_buddy(me, rack, peers)
+    return Buddy(chosen.node_id, chosen.reason, next((p.address for p in peers if p.node_id == chosen.node_id), ""))
+
+
 class Node:
-    def __init__(self, tmp: Path, name: str, rack: str, catalog: FakeCatalog, peers: list[coordinator_pb2.NodeInfo],
+    def __init__(self, tmp: Path, name: str, rack: str, catalog: FakeCatalog, peers: list[Peer],
                  capacity: int = 0) -> None:
         self.tier = mem_tier(tmp / name / "mem", name, capacity)
         self.metrics = ReplicationMetrics()
-        self.replicator = Replicator(self.tier, name, lambda: peers, rpc.channel, catalog, self.metrics,
-                                     chunk_bytes=256 << 10)
+        self.replicator = Replicator(self.tier, name, lambda: told_buddy(name, rack, peers), rpc.channel, catalog,
+                                     self.metrics, chunk_bytes=256 << 10)
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         agent_pb2_grpc.add_AgentServicer_to_server(Agent(self.replicator), self.server)
         port = rpc.add_port(self.server, "127.0.0.1:0")
         self.server.start()
-        peers.append(coordinator_pb2.NodeInfo(node_id=name, labels={"rack": rack}, state=cluster_pb2.NODE_STATE_ALIVE,
-                                              agent_address=f"127.0.0.1:{port}"))
+        peers.append(Peer(name, rack, True, f"127.0.0.1:{port}"))
 
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[Node, Node, FakeCatalog]]:
     catalog = FakeCatalog()
-    peers: list[coordinator_pb2.NodeInfo] = []
+    peers: list[Peer] = []
     a = Node(tmp_path, "a", "r1", catalog, peers)
     b = Node(tmp_path, "b", "r2", catalog, peers, capacity=3 * MiB)
     try:
@@ -266,8 +292,8 @@ def test_the_queue_sends_the_newest_and_drops_older_pending(pair: tuple[Node, No
     assert [p.step for p in a.replicator.pending()] == [4, 3]  # newest first
     while a.replicator.replicate_once():
         pass
-    assert snapshots(b.tier.backend.root, JOB, 0) == [3]  # type: ignore[attr-defined]
-    assert snapshots(b.tier.backend.root, JOB, 1) == [4]  # type: ignore[attr-defined]
+    assert store(b.tier).snapshots(JOB, 0) == [3]
+    assert store(b.tier).snapshots(JOB, 1) == [4]
 
 
 def test_the_buddy_refuses_what_its_budget_cannot_hold(pair: tuple[Node, Node, FakeCatalog]) -> None:
@@ -276,7 +302,7 @@ def test_the_buddy_refuses_what_its_budget_cannot_hold(pair: tuple[Node, Node, F
     a.replicator.replicate_once()
     assert a.metrics.failures.labels("refused")._value.get() == 1
     assert b.metrics.refused.labels("replica")._value.get() == 1
-    assert snapshots(b.tier.backend.root, JOB, 0) == []  # type: ignore[attr-defined]
+    assert store(b.tier).snapshots(JOB, 0) == []
     assert CopyRef("mem", "b") not in catalog.records[1].shards[0].copies
 
 
@@ -288,19 +314,19 @@ def test_a_stream_whose_bytes_do_not_match_is_not_published(pair: tuple[Node, No
     lie = agent_pb2.ShardChunk(name="state.pt", size=4000, data=b"evil" * 1000, end_of_file=True,
                                crc32c=crc32c_hex(b"good" * 1000))
     messages = iter([agent_pb2.WriteShardChunk(header=header), agent_pb2.WriteShardChunk(chunk=lie)])
-    with pytest.raises(ReplicaRefused) as err:
+    with pytest.raises(AgentError) as err:
         b.replicator.receive(messages)
     assert err.value.code is grpc.StatusCode.DATA_LOSS and "sender read" in str(err.value)
-    assert snapshots(b.tier.backend.root, JOB, 0) == []  # type: ignore[attr-defined]
+    assert store(b.tier).snapshots(JOB, 0) == []
     wrong_tier = agent_pb2.WriteShardHeader(job=JOB, step=2, rank=0, tier="ssd", bytes=1, source="a")
-    with pytest.raises(ReplicaRefused, match="memory tier"):
+    with pytest.raises(AgentError, match="memory tier"):
         b.replicator.receive(iter([agent_pb2.WriteShardChunk(header=wrong_tier)]))
 
 
 def test_no_buddy_is_counted_not_fatal(tmp_path: Path) -> None:
     tier = mem_tier(tmp_path / "mem", "alone")
     metrics = ReplicationMetrics()
-    replicator = Replicator(tier, "alone", lambda: [], rpc.channel, FakeCatalog(), metrics)
+    replicator = Replicator(tier, "alone", lambda: told_buddy("alone", "", []), rpc.channel, FakeCatalog(), metrics)
     publish(tier, 1, 0)
     replicator.enqueue(JOB, 1, 0)
     stop = threading.Event()
@@ -313,7 +339,7 @@ def test_no_buddy_is_counted_not_fatal(tmp_path: Path) -> None:
     finally:
         stop.set()
         worker.join(5)
-    assert replicator.last_buddy.node_id is None and memory_tier.KEEP == 2
+    assert replicator.last_buddy.node_id is None and KEEP == 2
 
 
 # ---- the fast peer copy path (agent.bulk_copy) ---------------------------------------------------------------

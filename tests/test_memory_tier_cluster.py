@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from ftd.agent.memory_tier import snapshots
 from ftd.checkpoints.catalog import CopyRef, from_info
 from ftd.ftctl import drill
 from ftd.ftctl.localcluster import ClusterFile, TrainOptions, stop, up
+from ftd.storage_backends.memory import MemoryTier
 from ftd.training import Checkpointer
 from ftd.training.cadence import CadencePolicy
 from ftd.v1 import checkpoint_pb2
@@ -56,6 +56,10 @@ def metric(cluster: ClusterFile, node_id: str, prefix: str) -> float:
 
 def mem_root(cluster: ClusterFile, node_id: str) -> Path:
     return Path(agent(cluster, node_id).info["workdir"]) / "mem"
+
+
+def snapshots(root: Path, job: str, rank: int) -> list[int]:
+    return MemoryTier(root).snapshots(job, rank)
 
 
 @pytest.fixture

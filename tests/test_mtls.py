@@ -19,9 +19,11 @@ import pytest
 from cryptography import x509
 from grpc import aio
 
-from ftd import pki, rpc
-from ftd.authz import AuthzFacts
-from ftd.pki import Identity, IdentityFiles
+from ftd import rpc
+from ftd.authz import OPERATOR_ONLY, AuthzFacts
+from ftd.authz_interceptors import AioAuthzInterceptor, AuthzInterceptor, Guard, peer_identity
+from ftd.ca import init_ca, issue, rotate, serial_of, write_atomic
+from ftd.identity import Identity, IdentityFiles, TlsMaterial, load_identity, paths
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 CLUSTER = "c1"
@@ -30,21 +32,21 @@ CLUSTER = "c1"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("mtls") / "pki"
-    pki.init_ca(path, CLUSTER)
+    init_ca(path, CLUSTER)
     for kind, name in (("node", "n1"), ("node", "n2"), ("operator", "operator"), ("coordinator", "c0"),
                        ("rendezvous", "n1")):
-        pki.issue(path, kind, name)
+        issue(path, kind, name)
     foreign = path.parent / "foreign"
-    pki.init_ca(foreign, CLUSTER)  # same cluster name, another CA
-    pki.issue(foreign, "operator", "operator")
+    init_ca(foreign, CLUSTER)  # same cluster name, another CA
+    issue(foreign, "operator", "operator")
     return path
 
 
-def ids(root: Path, kind: str, name: str) -> pki.TlsMaterial:
-    return pki.load_identity(root, kind, name)
+def ids(root: Path, kind: str, name: str) -> TlsMaterial:
+    return load_identity(root, kind, name)
 
 
-def served_serial(port: int, client: pki.TlsMaterial, host: str = "127.0.0.1") -> int:
+def served_serial(port: int, client: TlsMaterial, host: str = "127.0.0.1") -> int:
     """The serial of the certificate the server presents on a new connection (Python's ssl, h2)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(cadata=client.ca_pem.decode())
@@ -69,7 +71,7 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
         self.kills = 0
 
     def GetInfo(self, request: agent_pb2.GetInfoRequest, context: grpc.ServicerContext) -> agent_pb2.AgentInfo:
-        return agent_pb2.AgentInfo(node_id=str(rpc.peer_identity(context)))
+        return agent_pb2.AgentInfo(node_id=str(peer_identity(context)))
 
     def ReportProgress(self, request: agent_pb2.ReportProgressRequest,
                        context: grpc.ServicerContext) -> agent_pb2.ReportProgressResponse:
@@ -83,9 +85,9 @@ class FakeAgent(agent_pb2_grpc.AgentServicer):
 class AgentServer:
     def __init__(self, tls: rpc.Tls | None, sock: Path, plaintext_tcp: bool = False) -> None:
         self.denied: list[tuple[str, str]] = []
-        guard = rpc.Guard(cluster=CLUSTER, on_denied=lambda m, r: self.denied.append((m, r)))
+        guard = Guard(cluster=CLUSTER, on_denied=lambda m, r: self.denied.append((m, r)))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=rpc.SERVER_OPTIONS,
-                                  interceptors=[rpc.AuthzInterceptor(guard)])
+                                  interceptors=[AuthzInterceptor(guard)])
         self.servicer = FakeAgent()
         agent_pb2_grpc.add_AgentServicer_to_server(self.servicer, self.server)
         self.port = rpc.add_port(self.server, "127.0.0.1:0", None if plaintext_tcp else tls)
@@ -137,7 +139,7 @@ def test_certificate_of_a_foreign_ca_is_refused(agent: AgentServer, root: Path) 
     foreign = ids(root.parent / "foreign", "operator", "operator")
     assert rpc.rpc_code(refused(agent.target, foreign)) is grpc.StatusCode.UNAVAILABLE
     # and a client trusting only the foreign CA refuses the server
-    mixed = pki.TlsMaterial(foreign.ca_pem, ids(root, "node", "n2").cert_pem, ids(root, "node", "n2").key_pem)
+    mixed = TlsMaterial(foreign.ca_pem, ids(root, "node", "n2").cert_pem, ids(root, "node", "n2").key_pem)
     assert rpc.rpc_code(refused(agent.target, mixed)) is grpc.StatusCode.UNAVAILABLE
     assert agent.servicer.kills == 0 and agent.denied == []
 
@@ -169,9 +171,7 @@ def test_denials_are_permission_denied_counted_and_change_nothing(agent: AgentSe
         with pytest.raises(grpc.RpcError) as caught:
             stub.Kill(agent_pb2.KillRequest(), timeout=5)
         assert rpc.rpc_code(caught.value) is grpc.StatusCode.PERMISSION_DENIED
-        assert rpc.rpc_details(caught.value) == (
-            "node/n2 may not call Kill (rule: only operators close jobs, roll back, invalidate checkpoints, "
-            "verify copies and run drills)")
+        assert rpc.rpc_details(caught.value) == f"node/n2 may not call Kill (rule: {OPERATOR_ONLY.text})"
         with pytest.raises(grpc.RpcError) as caught:
             stub.ReportProgress(agent_pb2.ReportProgressRequest(), timeout=5)
         assert "node/n2 may not call ReportProgress (rule: only the training process" in rpc.rpc_details(caught.value)
@@ -196,32 +196,32 @@ def test_plaintext_tcp_peer_is_unauthenticated(root: Path, tmp_path: Path) -> No
 def test_rotation_reaches_new_connections_without_restart(agent: AgentServer, root: Path, tmp_path: Path) -> None:
     # the server's own files, copied so that rotating them does not disturb the other tests
     own = tmp_path / "pki"
-    pki.init_ca(own, CLUSTER)
-    pki.issue(own, "coordinator", "c9")
-    pki.issue(own, "operator", "operator")
-    client = pki.load_identity(own, "operator", "operator")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[rpc.AuthzInterceptor(rpc.Guard())])
+    init_ca(own, CLUSTER)
+    issue(own, "coordinator", "c9")
+    issue(own, "operator", "operator")
+    client = load_identity(own, "operator", "operator")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[AuthzInterceptor(Guard())])
     agent_pb2_grpc.add_AgentServicer_to_server(FakeAgent(), server)
     port = rpc.add_port(server, "127.0.0.1:0", IdentityFiles(own, "coordinator", "c9"))
     server.start()
     try:
         first = served_serial(port, client)
-        assert first == pki.serial_of(pki.load_identity(own, "coordinator", "c9").cert_pem)
+        assert first == serial_of(load_identity(own, "coordinator", "c9").cert_pem)
         with rpc.channel(f"127.0.0.1:{port}", tls=client) as old_channel:
             stub = agent_pb2_grpc.AgentStub(old_channel)
             assert stub.GetInfo(agent_pb2.GetInfoRequest(), timeout=5).node_id == "operator/operator"
-            pki.rotate(own, "coordinator", "c9")
-            rotated = pki.serial_of(pki.load_identity(own, "coordinator", "c9").cert_pem)
+            rotate(own, "coordinator", "c9")
+            rotated = serial_of(load_identity(own, "coordinator", "c9").cert_pem)
             assert rotated != first
             assert served_serial(port, client) == rotated
             assert stub.GetInfo(agent_pb2.GetInfoRequest(), timeout=5).node_id == "operator/operator"
         assert info(f"127.0.0.1:{port}", client) == "operator/operator"
         # a bad file on disk (another CA's certificate): the server keeps serving the good one
         foreign = tmp_path / "foreign"
-        pki.init_ca(foreign, CLUSTER)
-        pki.issue(foreign, "coordinator", "c9")
-        pki.write_atomic(own / "coordinators/c9.crt", (foreign / "coordinators/c9.crt").read_bytes(), 0o644)
-        pki.write_atomic(own / "coordinators/c9.key", (foreign / "coordinators/c9.key").read_bytes(), 0o600)
+        init_ca(foreign, CLUSTER)
+        issue(foreign, "coordinator", "c9")
+        write_atomic(own / "coordinators/c9.crt", (foreign / "coordinators/c9.crt").read_bytes(), 0o644)
+        write_atomic(own / "coordinators/c9.key", (foreign / "coordinators/c9.key").read_bytes(), 0o600)
         assert served_serial(port, client) == rotated
         assert info(f"127.0.0.1:{port}", client) == "operator/operator"
     finally:
@@ -239,7 +239,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def Register(self, request: coordinator_pb2.RegisterRequest,
                        context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RegisterResponse:
         self.registered.append(request.node_id)
-        return coordinator_pb2.RegisterResponse(message=str(rpc.peer_identity(context)))
+        return coordinator_pb2.RegisterResponse(message=str(peer_identity(context)))
 
     async def SetRoundStore(self, request: coordinator_pb2.SetRoundStoreRequest,
                             context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RoundInfo:
@@ -262,7 +262,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 class FakeRendezvous(FakeCoordinator):
     async def JoinRound(self, request: coordinator_pb2.JoinRoundRequest,
                         context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RoundInfo:
-        return coordinator_pb2.RoundInfo(job=request.job, message=str(rpc.peer_identity(context)))
+        return coordinator_pb2.RoundInfo(job=request.job, message=str(peer_identity(context)))
 
 
 async def _serve(root: Path, body: Any) -> Any:
@@ -271,8 +271,8 @@ async def _serve(root: Path, body: Any) -> Any:
     def facts(method: str, identity: Identity, fields: Any) -> AuthzFacts:
         return AuthzFacts(round_rank0="n1", registered_host="127.0.0.1")
 
-    guard = rpc.Guard(cluster=CLUSTER, facts=facts, on_denied=lambda m, r: denied.append((m, r)))
-    server = aio.server(options=rpc.SERVER_OPTIONS, interceptors=[rpc.AioAuthzInterceptor(guard)])
+    guard = Guard(cluster=CLUSTER, facts=facts, on_denied=lambda m, r: denied.append((m, r)))
+    server = aio.server(options=rpc.SERVER_OPTIONS, interceptors=[AioAuthzInterceptor(guard)])
     servicer = FakeRendezvous()
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
     port = rpc.add_port(server, "127.0.0.1:0", IdentityFiles(root, "coordinator", "c0"))
@@ -342,17 +342,17 @@ def test_aio_heartbeat_stream_checks_every_message(root: Path) -> None:
 
 def test_aio_listener_rotates_too(root: Path, tmp_path: Path) -> None:
     own = tmp_path / "pki"
-    pki.init_ca(own, CLUSTER)
-    pki.issue(own, "coordinator", "c0")
-    pki.issue(own, "operator", "operator")
-    client = pki.load_identity(own, "operator", "operator")
+    init_ca(own, CLUSTER)
+    issue(own, "coordinator", "c0")
+    issue(own, "operator", "operator")
+    client = load_identity(own, "operator", "operator")
 
     async def body(target: str, servicer: FakeCoordinator, denied: list[tuple[str, str]]) -> None:
         port = int(target.rsplit(":", 1)[1])
         first = await asyncio.to_thread(served_serial, port, client)
-        pki.rotate(own, "coordinator", "c0")
+        rotate(own, "coordinator", "c0")
         second = await asyncio.to_thread(served_serial, port, client)
-        assert first != second == pki.serial_of((own / "coordinators/c0.crt").read_bytes())
+        assert first != second == serial_of((own / "coordinators/c0.crt").read_bytes())
 
     asyncio.run(_serve(own, body))
 
@@ -381,7 +381,7 @@ def test_blocking_request_stream_is_checked_per_message(root: Path) -> None:
             yield coordinator_pb2.HeartbeatResponse(leader_id=request.node_id)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
-                         interceptors=[rpc.AuthzInterceptor(rpc.Guard(cluster=CLUSTER))])
+                         interceptors=[AuthzInterceptor(Guard(cluster=CLUSTER))])
     server.add_generic_rpc_handlers((_heartbeat_handler(heartbeat),))
     port = rpc.add_port(server, "127.0.0.1:0", ids(root, "coordinator", "c0"))
     server.start()
@@ -408,7 +408,7 @@ def test_aio_request_stream_iterated_by_an_async_generator(root: Path) -> None:
             yield coordinator_pb2.HeartbeatResponse(leader_id=request.node_id)
 
     async def main() -> None:
-        server = aio.server(interceptors=[rpc.AioAuthzInterceptor(rpc.Guard(cluster=CLUSTER))])
+        server = aio.server(interceptors=[AioAuthzInterceptor(Guard(cluster=CLUSTER))])
         server.add_generic_rpc_handlers((_heartbeat_handler(heartbeat),))
         port = rpc.add_port(server, "127.0.0.1:0", ids(root, "coordinator", "c0"))
         await server.start()
@@ -439,8 +439,8 @@ def test_etcd_with_mutual_tls(root: Path, tmp_path: Path) -> None:
     from ftd.ftctl.etcd_server import etcd_binary, free_port
     from ftd.waiting import wait_for
 
-    pki.issue(root, "etcd", "m0", force=True)
-    crt, key = pki.paths(root, "etcd", "m0")
+    issue(root, "etcd", "m0", force=True)
+    crt, key = paths(root, "etcd", "m0")
     ca = root / "ca.crt"
     client_port, peer_port = free_port(), free_port()
     client_url, peer_url = f"https://127.0.0.1:{client_port}", f"https://127.0.0.1:{peer_port}"

@@ -13,17 +13,11 @@ import grpc
 import pytest
 
 from ftd import rpc
-from ftd.agent.peer_copy import (
-    CopyCorrupt,
-    CopyMissing,
-    PeerCopyError,
-    PeerUnreachable,
-    fetch_shard,
-    receive_shard,
-    serve_shard,
-)
+from ftd.agent.errors import CopyCorrupt, CopyMissing, PeerCopyError, PeerUnreachable
+from ftd.agent.peer_copy import fetch_shard, receive_shard, serve_shard
 from ftd.checkpoints.layout import MANIFEST, shard_prefix
 from ftd.storage_backends.base import StorageBackend, crc32c_hex
+from ftd.storage_backends.local import LocalBackend
 from ftd.storage_backends.tiers import LocalSpec, TierSpec, open_backend
 from ftd.v1 import agent_pb2, agent_pb2_grpc
 
@@ -47,7 +41,7 @@ def peer(tmp_path: Path) -> Iterator[tuple[str, StorageBackend, grpc.Server]]:
     backend = open_backend(TierSpec("ssd", "node-1", LocalSpec(tmp_path / "ssd")))
     staging = backend.stage(shard_prefix("job", 7, 1))
     staging.put_stream("state.pt", io.BytesIO(PAYLOAD))
-    staging.publish(MANIFEST, b'{"manifest": true}')
+    staging.publish(MANIFEST, b'{"manifest": true}')  # the receiver checks the files, against the catalog
     server = grpc.server(futures.ThreadPoolExecutor(4))
     agent_pb2_grpc.add_AgentServicer_to_server(Peer(backend), server)
     port = rpc.add_port(server, "127.0.0.1:0")
@@ -68,18 +62,19 @@ def test_a_shard_arrives_verified(peer: tuple[str, StorageBackend, grpc.Server],
     channel, call = read(peer[0])
     with channel:
         got = fetch_shard(call, agent_pb2.ReadShardRequest(job="job", step=7, rank=1, tier="ssd"),  # type: ignore[arg-type]
-                          tmp_path / "in", {"state.pt": (len(PAYLOAD), crc32c_hex(PAYLOAD))})
+                          LocalBackend(tmp_path / "in"), {"state.pt": (len(PAYLOAD), crc32c_hex(PAYLOAD))})
+    assert got.path == tmp_path / "in" / shard_prefix("job", 7, 1), "laid out as on any tier"
     assert (got.path / "state.pt").read_bytes() == PAYLOAD and (got.path / MANIFEST).exists()
-    assert got.bytes >= len(PAYLOAD) and not list(got.path.glob(".*.part"))
+    assert got.bytes >= len(PAYLOAD) and not list((tmp_path / "in").rglob(".*"))
 
 
 def test_a_copy_that_does_not_match_the_catalog_is_corrupt(peer: tuple[str, StorageBackend, grpc.Server],
                                                           tmp_path: Path) -> None:
     channel, call = read(peer[0])
-    with channel, pytest.raises(CopyCorrupt, match="the catalog says 00000000"):
+    with channel, pytest.raises(CopyCorrupt, match=r"the catalog says \d+ bytes crc32c 00000000"):
         fetch_shard(call, agent_pb2.ReadShardRequest(job="job", step=7, rank=1, tier="ssd"),  # type: ignore[arg-type]
-                    tmp_path / "in", {"state.pt": (len(PAYLOAD), "00000000")})
-    assert not (tmp_path / "in").exists(), "nothing half-received is left to be loaded"
+                    LocalBackend(tmp_path / "in"), {"state.pt": (len(PAYLOAD), "00000000")})
+    assert not [p for p in (tmp_path / "in").rglob("*") if p.is_file()], "nothing half-received is left to be loaded"
 
 
 def test_missing_and_unreachable_are_not_corrupt(peer: tuple[str, StorageBackend, grpc.Server],
@@ -89,18 +84,19 @@ def test_missing_and_unreachable_are_not_corrupt(peer: tuple[str, StorageBackend
     with channel:
         with pytest.raises(CopyMissing, match="no published copy"):
             fetch_shard(call, agent_pb2.ReadShardRequest(job="job", step=8, rank=1, tier="ssd"),  # type: ignore[arg-type]
-                        tmp_path / "in")
+                        LocalBackend(tmp_path / "in"))
         server.stop(0).wait(5)
         with pytest.raises(PeerUnreachable):
             fetch_shard(call, agent_pb2.ReadShardRequest(job="job", step=7, rank=1, tier="ssd"),  # type: ignore[arg-type]
-                        tmp_path / "in")
+                        LocalBackend(tmp_path / "in"))
     assert not issubclass(PeerUnreachable, CopyCorrupt) and issubclass(PeerUnreachable, PeerCopyError)
 
 
 def test_a_stream_that_lies_is_refused(tmp_path: Path) -> None:
     chunks = [agent_pb2.ShardChunk(name="../evil", size=3, data=b"abc", end_of_file=True, crc32c=crc32c_hex(b"abc"))]
     with pytest.raises(CopyCorrupt, match="refusing the file name"):
-        receive_shard(chunks, tmp_path / "a")
+        receive_shard(chunks, LocalBackend(tmp_path / "a"), shard_prefix("job", 1, 0))
     flipped = [agent_pb2.ShardChunk(name="x", size=3, data=b"abd", end_of_file=True, crc32c=crc32c_hex(b"abc"))]
     with pytest.raises(CopyCorrupt, match="sender read"):
-        receive_shard(flipped, tmp_path / "b")
+        receive_shard(flipped, LocalBackend(tmp_path / "b"), shard_prefix("job", 1, 0))
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], "a refused stream leaves nothing behind"

@@ -1,4 +1,4 @@
-"""The cluster PKI (ftd/pki.py) and ``ftctl certs``: layout, modes, identities in the SAN, rotation,
+"""The cluster PKI (ftd/ca.py, ftd/identity.py) and ``ftctl certs``: layout, modes, identities in the SAN, rotation,
 and the errors for missing, unreadable, expired, foreign and mismatched files."""
 
 from __future__ import annotations
@@ -14,15 +14,25 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ftd import pki
+from ftd.ca import bootstrap, init_ca, issue, rotate, serial_of
 from ftd.ftctl import certs
-from ftd.pki import Identity, PkiError
+from ftd.identity import (
+    KINDS,
+    Identity,
+    IdentityFiles,
+    PkiError,
+    cert_hosts,
+    identity_of,
+    load_identity,
+    parse_spiffe,
+    spiffe_uri,
+)
 
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     path = tmp_path / "pki"
-    pki.init_ca(path, "c1")
+    init_ca(path, "c1")
     return path
 
 
@@ -43,11 +53,11 @@ def test_ca_layout_and_modes(root: Path) -> None:
     years = (ca.not_valid_after_utc - ca.not_valid_before_utc).days / 365
     assert 9.9 < years < 10.1
     with pytest.raises(PkiError, match="already exists"):
-        pki.init_ca(root, "c1")
+        init_ca(root, "c1")
 
 
 def test_issue_node_with_identity_and_hosts(root: Path) -> None:
-    crt = pki.issue(root, "node", "node-1", hosts=["node-1.example", "10.0.0.7"])
+    crt = issue(root, "node", "node-1", hosts=["node-1.example", "10.0.0.7"])
     assert crt == root / "nodes" / "node-1.crt"
     assert mode(root / "nodes" / "node-1.key") == 0o600
     assert mode(root / "nodes") == 0o700
@@ -59,8 +69,8 @@ def test_issue_node_with_identity_and_hosts(root: Path) -> None:
     eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     assert 364 <= (cert.not_valid_after_utc - dt.datetime.now(dt.timezone.utc)).days <= 365
-    material = pki.load_identity(root, "node", "node-1")
-    assert pki.identity_of(material.cert_pem) == Identity("node", "node-1", "c1")
+    material = load_identity(root, "node", "node-1")
+    assert identity_of(material.cert_pem) == Identity("node", "node-1", "c1")
     assert material.ca_pem == (root / "ca.crt").read_bytes()
     assert "PRIVATE" not in repr(material)
 
@@ -70,105 +80,105 @@ def test_layout_of_every_kind(root: Path) -> None:
                 ("coordinator", "c0"): "coordinators/c0.crt", ("etcd", "m0"): "etcd/m0.crt",
                 ("rendezvous", "node-1"): "rendezvous/node-1.crt"}
     for (kind, name), rel in expected.items():
-        assert pki.issue(root, kind, name) == root / rel
-        assert pki.load_identity(root, kind, name).cert_pem == (root / rel).read_bytes()
+        assert issue(root, kind, name) == root / rel
+        assert load_identity(root, kind, name).cert_pem == (root / rel).read_bytes()
     # etcd maps a client certificate's CN to its user; --peer-cert-allowed-cn keys on it too
     assert load_cert(root / "etcd/m0.crt").subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value \
         == "ftd-etcd"
 
 
 def test_validity_is_configurable(root: Path) -> None:
-    cert = load_cert(pki.issue(root, "node", "n", days=30))
+    cert = load_cert(issue(root, "node", "n", days=30))
     assert 29 <= (cert.not_valid_after_utc - dt.datetime.now(dt.timezone.utc)).days <= 30
 
 
 def test_issue_refuses_to_overwrite_and_rotate_replaces(root: Path) -> None:
-    pki.issue(root, "coordinator", "c0", hosts=["coord.example"])
-    before = pki.load_identity(root, "coordinator", "c0")
-    stamp = pki.IdentityFiles(root, "coordinator", "c0").stamp()
+    issue(root, "coordinator", "c0", hosts=["coord.example"])
+    before = load_identity(root, "coordinator", "c0")
+    stamp = IdentityFiles(root, "coordinator", "c0").stamp()
     with pytest.raises(PkiError, match="ftctl certs rotate coordinator c0"):
-        pki.issue(root, "coordinator", "c0")
-    pki.rotate(root, "coordinator", "c0")
-    after = pki.load_identity(root, "coordinator", "c0")
-    assert pki.serial_of(after.cert_pem) != pki.serial_of(before.cert_pem)
+        issue(root, "coordinator", "c0")
+    rotate(root, "coordinator", "c0")
+    after = load_identity(root, "coordinator", "c0")
+    assert serial_of(after.cert_pem) != serial_of(before.cert_pem)
     assert after.key_pem != before.key_pem
-    assert pki.cert_hosts(load_cert(root / "coordinators/c0.crt")) == ["coord.example"]  # kept
-    assert pki.IdentityFiles(root, "coordinator", "c0").stamp() != stamp
+    assert cert_hosts(load_cert(root / "coordinators/c0.crt")) == ["coord.example"]  # kept
+    assert IdentityFiles(root, "coordinator", "c0").stamp() != stamp
     assert mode(root / "coordinators/c0.key") == 0o600
     assert not [p for p in (root / "coordinators").iterdir() if p.name.endswith(".tmp")]
 
 
 def test_rotate_of_an_unissued_identity_names_the_path(root: Path) -> None:
     with pytest.raises(PkiError, match=r"nodes/ghost\.crt does not exist"):
-        pki.rotate(root, "node", "ghost")
+        rotate(root, "node", "ghost")
 
 
 def test_missing_and_unreadable_files_name_the_path(root: Path) -> None:
     with pytest.raises(PkiError, match=r"node certificate .*nodes/n1\.crt does not exist"):
-        pki.load_identity(root, "node", "n1")
-    pki.issue(root, "node", "n1")
+        load_identity(root, "node", "n1")
+    issue(root, "node", "n1")
     key = root / "nodes/n1.key"
     key.unlink()
     key.mkdir()  # unreadable as a file, even for root
     with pytest.raises(PkiError, match=r"node key .*nodes/n1\.key is unreadable"):
-        pki.load_identity(root, "node", "n1")
+        load_identity(root, "node", "n1")
     (root / "nodes/n1.crt").write_text("garbage")
     with pytest.raises(PkiError, match=r"nodes/n1\.crt is not a PEM certificate"):
-        pki.load_identity(root, "node", "n1")
+        load_identity(root, "node", "n1")
 
 
 def test_expired_certificate(root: Path) -> None:
-    pki.issue(root, "node", "old", days=0)
+    issue(root, "node", "old", days=0)
     with pytest.raises(PkiError, match=r"certificate .*nodes/old\.crt expired on .*ftctl certs rotate"):
-        pki.load_identity(root, "node", "old")
+        load_identity(root, "node", "old")
 
 
 def test_certificate_of_a_foreign_ca(root: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
-    pki.init_ca(other, "c1")  # same cluster name, another CA
-    pki.issue(other, "node", "n1")
+    init_ca(other, "c1")  # same cluster name, another CA
+    issue(other, "node", "n1")
     (root / "nodes").mkdir(mode=0o700)
     for ext in ("crt", "key"):
         shutil.copy(other / f"nodes/n1.{ext}", root / f"nodes/n1.{ext}")
     with pytest.raises(PkiError, match=r"nodes/n1\.crt was not issued by the CA in .*ca\.crt"):
-        pki.load_identity(root, "node", "n1")
+        load_identity(root, "node", "n1")
 
 
 def test_certificate_for_another_identity_or_key(root: Path) -> None:
-    pki.issue(root, "node", "n1")
-    pki.issue(root, "node", "n2")
+    issue(root, "node", "n1")
+    issue(root, "node", "n2")
     shutil.copy(root / "nodes/n1.crt", root / "nodes/n3.crt")
     shutil.copy(root / "nodes/n1.key", root / "nodes/n3.key")
     with pytest.raises(PkiError, match=r"nodes/n3\.crt is for node/n1, expected node/n3"):
-        pki.load_identity(root, "node", "n3")
+        load_identity(root, "node", "n3")
     shutil.copy(root / "nodes/n2.key", root / "nodes/n1.key")  # e.g. caught between a rotation's renames
     with pytest.raises(PkiError, match=r"key .*nodes/n1\.key does not belong to certificate .*nodes/n1\.crt"):
-        pki.IdentityFiles(root, "node", "n1").load(attempts=2)
+        IdentityFiles(root, "node", "n1").load(attempts=2)
 
 
 def test_bad_names_and_kinds(root: Path) -> None:
     for kind, name in (("node", "../evil"), ("node", ".."), ("node", ""), ("admin", "x"), ("node", "a/b")):
         with pytest.raises(PkiError, match=r"bad node name|unknown identity kind"):
-            pki.issue(root, kind, name)
+            issue(root, kind, name)
     with pytest.raises(PkiError, match="bad host"):
-        pki.issue(root, "node", "n1", hosts=["not a host"])
+        issue(root, "node", "n1", hosts=["not a host"])
     with pytest.raises(PkiError, match="bad cluster name"):
-        pki.init_ca(root.parent / "x", "a/b")
+        init_ca(root.parent / "x", "a/b")
     with pytest.raises(PkiError, match=r"CA certificate .*nothing/ca\.crt does not exist"):
-        pki.issue(root.parent / "nothing", "node", "n1")
+        issue(root.parent / "nothing", "node", "n1")
 
 
 names = st.from_regex(r"[A-Za-z0-9._-]{1,40}", fullmatch=True).filter(lambda s: set(s) != {"."})
 
 
-@given(cluster=st.from_regex(r"[A-Za-z0-9._-]{1,20}", fullmatch=True), kind=st.sampled_from(pki.KINDS), name=names)
+@given(cluster=st.from_regex(r"[A-Za-z0-9._-]{1,20}", fullmatch=True), kind=st.sampled_from(KINDS), name=names)
 def test_spiffe_round_trip(cluster: str, kind: str, name: str) -> None:
-    assert pki.parse_spiffe(pki.spiffe_uri(cluster, kind, name)) == Identity(kind, name, cluster)
+    assert parse_spiffe(spiffe_uri(cluster, kind, name)) == Identity(kind, name, cluster)
 
 
 @given(st.text(max_size=80))
 def test_parse_spiffe_never_crashes(text: str) -> None:
-    found = pki.parse_spiffe(text)
+    found = parse_spiffe(text)
     assert found is None or found.uri == text
 
 
@@ -186,9 +196,9 @@ def test_ftctl_certs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert ftctl("issue", "node", "n2", "--pki-dir", str(tmp_path / "other")) == 1  # the flag wins over the env
     assert "other/ca.crt does not exist" in capsys.readouterr().err
     assert ftctl("--pki-dir", str(tmp_path / "pki"), "issue", "coordinator", "c0") == 0
-    serial = pki.serial_of((tmp_path / "pki/nodes/n1.crt").read_bytes())
+    serial = serial_of((tmp_path / "pki/nodes/n1.crt").read_bytes())
     assert ftctl("rotate", "node", "n1") == 0
-    assert pki.serial_of((tmp_path / "pki/nodes/n1.crt").read_bytes()) != serial
+    assert serial_of((tmp_path / "pki/nodes/n1.crt").read_bytes()) != serial
     assert ftctl("issue", "node", "n1") == 1
     assert "ftctl certs rotate node n1" in capsys.readouterr().err
     assert ftctl("list", "--json") == 0
@@ -202,32 +212,32 @@ def test_ftctl_certs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_bootstrap_creates_what_is_missing_once(tmp_path: Path) -> None:
     root = tmp_path / "cluster" / "pki"
-    issued = pki.bootstrap(root, "demo", nodes=["node-0", "node-1"], coordinators=["c0"], etcd=["etcd0"],
+    issued = bootstrap(root, "demo", nodes=["node-0", "node-1"], coordinators=["c0"], etcd=["etcd0"],
                            hosts=["127.0.0.1"])
     rel = sorted(str(p.relative_to(root)) for p in issued)
     assert rel == ["coordinators/c0.crt", "etcd/etcd0.crt", "nodes/node-0.crt", "nodes/node-1.crt", "operator.crt",
                    "rendezvous/node-0.crt", "rendezvous/node-1.crt"]
     assert mode(root) == 0o700 and mode(root / "ca.key") == 0o600
     assert all(mode(p.with_suffix(".key")) == 0o600 for p in issued)
-    assert pki.bootstrap(root, "demo", nodes=["node-0", "node-1", "node-2"]) == [root / "nodes/node-2.crt",
+    assert bootstrap(root, "demo", nodes=["node-0", "node-1", "node-2"]) == [root / "nodes/node-2.crt",
                                                                                  root / "rendezvous/node-2.crt"]
-    assert pki.load_identity(root, "node", "node-2").ca_pem == (root / "ca.crt").read_bytes()
+    assert load_identity(root, "node", "node-2").ca_pem == (root / "ca.crt").read_bytes()
     with pytest.raises(PkiError, match=r"the CA in .*ca\.crt is of cluster 'demo', not 'prod'"):
-        pki.bootstrap(root, "prod")
+        bootstrap(root, "prod")
 
 
 def test_existing_directories_keep_their_mode(tmp_path: Path) -> None:
     shared = tmp_path / "etc-ftd"
     shared.mkdir(mode=0o755)
-    pki.init_ca(shared, "c1")
+    init_ca(shared, "c1")
     assert mode(shared) == 0o755
-    pki.issue(shared, "node", "n1")
+    issue(shared, "node", "n1")
     assert mode(shared / "nodes") == 0o700
 
 
 def test_a_certificate_near_its_end_is_warned_about(root: Path, caplog: pytest.LogCaptureFixture) -> None:
-    pki.issue(root, "node", "soon", days=3)
+    issue(root, "node", "soon", days=3)
     with caplog.at_level("WARNING", logger="ftd.pki"):
-        pki.load_identity(root, "node", "soon")
+        load_identity(root, "node", "soon")
     assert "nodes/soon.crt expires in 2 days" in caplog.text
     assert "ftctl certs rotate node soon" in caplog.text

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from ftd.agent.buddy import Peer, choose_buddy
+from ftd.agent.peers import Peer
 from ftd.agent.rtt import (
     COORDINATOR,
     MAX_TARGETS,
@@ -23,20 +23,18 @@ from ftd.agent.rtt import (
     Target,
     connect_rtt,
     handshake_rtt,
-    peers_from_nodes,
     plan,
     split_address,
     targets,
-    world_from_nodes,
 )
-from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.v1 import cluster_pb2
 from ftd.waiting import wait_for
 
 COORD = "10.0.0.1:9400"
 
 
-def peer(node_id: str, alive: bool = True, domain: str = "", address: str | None = None) -> Peer:
-    return Peer(node_id, domain, alive, f"{node_id}.cluster:9500" if address is None else address)
+def peer(node_id: str, alive: bool = True, address: str | None = None) -> Peer:
+    return Peer(node_id, f"{node_id}.cluster:9500" if address is None else address, alive)
 
 
 def world(*ids: str) -> list[Peer]:
@@ -104,33 +102,35 @@ def test_targets_are_few_unique_and_coordinator_first(size: int, me: int, buddy:
     assert COORDINATOR not in names(chosen)[1:]
 
 
-def test_plan_takes_the_buddy_from_choose_buddy() -> None:
-    peers = [peer("a", domain="r1"), peer("b", domain="r1"), peer("c", domain="r1"), peer("d", domain="r2"),
-             peer("e", domain="r2"), peer("s", domain="r3")]
-    assert choose_buddy("a", "r1", peers).node_id == "d"
-    assert names(plan("a", "r1", peers, ["a", "b", "c"], COORD)) == [COORDINATOR, "c", "b", "d"]
-    # x (rank 1) is not known to ListNodes (yet): not probed; the buddy is the spare s, in another rack
-    assert choose_buddy("e", "r2", peers).node_id == "s"
-    assert names(plan("e", "r2", peers, ["a", "x", "e"], COORD)) == [COORDINATOR, "a", "s"]
+def assignment(rank: int, world: str, listed: dict[str, int], buddy: str = "") -> cluster_pb2.Assignment:
+    """What the coordinator sends: the world (up to 256 ranks), the buddy and the addresses it named
+    (node id -> rank; a dead or fenced node is not named)."""
+    return cluster_pb2.Assignment(
+        rank=rank, world_size=len(world), world=list(world),
+        peers=cluster_pb2.Peers(buddy=buddy, buddy_reason="why", addresses=[
+            cluster_pb2.PeerAddress(node_id=n, agent_address=f"{n}.cluster:9500", rank=r)
+            for n, r in sorted(listed.items())]))
 
 
-def test_plan_from_a_list_nodes_answer() -> None:
-    """What the daemon has: ListNodes (addresses, labels, states, ranks) and the leader's address."""
-    def node(node_id: str, rank: int, rack: str,
-             state: cluster_pb2.NodeState.ValueType = cluster_pb2.NODE_STATE_ALIVE) -> coordinator_pb2.NodeInfo:
-        return coordinator_pb2.NodeInfo(node_id=node_id, rank=rank, state=state, labels={"rack": rack},
-                                        agent_address=f"{node_id}.cluster:9500")
+def test_plan_takes_the_buddy_and_the_addresses_from_the_assignment() -> None:
+    told = assignment(0, "abc", {"a": 0, "b": 1, "c": 2, "d": -1}, buddy="d")
+    assert names(plan("a", told, COORD)) == [COORDINATOR, "c", "b", "d"]
+    # x (rank 1) has no address in the assignment (dead, or just fenced): not probed; the buddy is a spare
+    told = assignment(2, "axe", {"a": 0, "e": 2, "s": -1}, buddy="s")
+    assert names(plan("e", told, COORD)) == [COORDINATOR, "a", "s"]
+    # no buddy chosen (or no answer from the coordinator yet)
+    assert names(plan("a", cluster_pb2.Assignment(rank=0, world_size=1, world=["a"]), COORD)) == [COORDINATOR]
 
-    nodes = [node("n2", 2, "r2"), node("n0", 0, "r1"), node("n1", 1, "r1", cluster_pb2.NODE_STATE_SUSPECT),
-             node("n3", 3, "r2", cluster_pb2.NODE_STATE_FENCED), node("s1", -1, "r2")]
-    assert world_from_nodes(nodes) == ["n0", "n1", "n2", "n3"]
-    peers = peers_from_nodes(nodes)
-    assert [(p.node_id, p.domain, p.alive) for p in peers] == [
-        ("n2", "r2", True), ("n0", "r1", True), ("n1", "r1", True), ("n3", "r2", False), ("s1", "r2", True)]
-    chosen = plan("n0", "r1", peers, world_from_nodes(nodes), "coord-1:9400")
-    # n3 (rank-1, wrapping) is fenced: not probed; n1 (rank+1) is suspect: probed; the buddy is n2 (rack r2)
-    assert names(chosen) == [COORDINATOR, "n1", "n2"]
-    assert chosen[1] == Target("n1", "n1.cluster", 9500)
+
+def test_plan_above_the_inline_world_uses_the_ranks_of_the_addresses() -> None:
+    """Above 256 ranks the assignment carries no world: the neighbours come from the addresses' ranks."""
+    world = [f"n{i}" for i in range(300)]
+    told = cluster_pb2.Assignment(rank=0, world_size=300, peers=cluster_pb2.Peers(buddy="n150", addresses=[
+        cluster_pb2.PeerAddress(node_id=n, agent_address=f"{n}.cluster:9500", rank=r)
+        for n, r in (("n1", 1), ("n150", 150), ("n299", 299))]))
+    chosen = plan(world[0], told, "coord-1:9400")
+    assert names(chosen) == [COORDINATOR, "n299", "n1", "n150"]
+    assert chosen[1] == Target("n299", "n299.cluster", 9500)
 
 
 # ---- the probe against real sockets ----------------------------------------------------------------------

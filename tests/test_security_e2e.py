@@ -26,11 +26,13 @@ import pyetcd.exceptions
 import pytest
 from cryptography import x509
 
-from ftd import pki, rpc
+from ftd import rpc
+from ftd.ca import rotate, serial_of
 from ftd.etcd_client import EtcdTls, make_client
 from ftd.ftctl import drill
 from ftd.ftctl.cli import main
 from ftd.ftctl.localcluster import ClusterFile, stop, up
+from ftd.identity import IdentityFiles, TlsMaterial
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 from ftd.waiting import wait_for
 
@@ -46,7 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFile]:
         stop(c)
 
 
-def ids(cluster: ClusterFile, kind: str, name: str) -> pki.IdentityFiles:
+def ids(cluster: ClusterFile, kind: str, name: str) -> IdentityFiles:
     files = cluster.identity(kind, name)
     assert files is not None, "ftctl up must create a PKI"
     return files
@@ -100,7 +102,7 @@ def nodes_seen(cluster: ClusterFile) -> dict[str, coordinator_pb2.NodeInfo]:
         client.close()
 
 
-def served_serial(address: str, client: pki.TlsMaterial) -> int:
+def served_serial(address: str, client: TlsMaterial) -> int:
     """The serial of the certificate a server presents on a new connection (Python's ssl, h2)."""
     host, port = rpc.parse_hostport(address)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -375,11 +377,11 @@ def test_rotation_of_a_node_certificate_without_a_restart(cluster: ClusterFile) 
     files = ids(cluster, "node", "node-1")
     operator = ids(cluster, "operator", "operator").load()
     old_serial = served_serial(node1.info["address"], operator)
-    assert old_serial == pki.serial_of(files.cert_path.read_bytes())
+    assert old_serial == serial_of(files.cert_path.read_bytes())
     before = scrape(node1.info["metrics"])
 
-    pki.rotate(Path(cluster.pki_dir), "node", "node-1")
-    new_serial = pki.serial_of(files.cert_path.read_bytes())
+    rotate(Path(cluster.pki_dir), "node", "node-1")
+    new_serial = serial_of(files.cert_path.read_bytes())
     assert new_serial != old_serial
     assert wait_for(lambda: served_serial(node1.info["address"], operator) == new_serial, 5,
                     "the agent serving its rotated certificate")
@@ -404,8 +406,8 @@ def test_rotation_of_the_coordinator_certificate_without_a_restart(cluster: Clus
     operator = ids(cluster, "operator", "operator").load()
     address = coordinator(cluster)
     old_serial = served_serial(address, operator)
-    pki.rotate(Path(cluster.pki_dir), "coordinator", "coordinator-0")
-    new_serial = pki.serial_of(ids(cluster, "coordinator", "coordinator-0").cert_path.read_bytes())
+    rotate(Path(cluster.pki_dir), "coordinator", "coordinator-0")
+    new_serial = serial_of(ids(cluster, "coordinator", "coordinator-0").cert_path.read_bytes())
     assert wait_for(lambda: served_serial(address, operator) == new_serial != old_serial, 5,
                     "the coordinator serving its rotated certificate")
     wait_heartbeats(cluster, [a.name for a in cluster.agents], 3)  # every stream through the new certificate

@@ -1,6 +1,7 @@
-"""One contract suite for the storage tiers, run against the local-directory tier and against the S3
-tier talking HTTP to moto's standalone server; then what only one of them can show (multipart
-resume, retries, an unreachable endpoint; a full disk, symlinks)."""
+"""One contract suite for the storage tiers, run against the local-directory tier, the memory tier
+(a directory tier with a budget and a keep rule: the same contract) and the S3 tier talking HTTP to
+moto's standalone server; then what only one of them can show (multipart resume, retries, an
+unreachable endpoint; a full disk, symlinks)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ftd.storage_backends.base import (
     is_reserved,
 )
 from ftd.storage_backends.local import LocalBackend
+from ftd.storage_backends.memory import MemoryTier
 from ftd.storage_backends.s3 import PENDING, S3Backend, crc_b64
 from ftd.storage_backends.tiers import S3Spec, TierSpec, open_backend
 
@@ -59,7 +61,7 @@ class Tier:
     """A backend under test plus what a test needs to reach behind its back."""
 
     kind: str
-    backend: Any  # LocalBackend | S3Backend
+    backend: Any  # LocalBackend | MemoryTier | S3Backend
     corrupt: Callable[[str], None]  # flips a byte of a stored object, keeping its recorded CRC32C
     io_done: Callable[[], bool]  # whether the backend has touched its storage at all
     hides_staged: bool  # whether staged objects are invisible to list() before publish
@@ -87,7 +89,7 @@ def count_sends(backend: S3Backend) -> list[str]:
     return sent
 
 
-def local_tier(tmp_path: Path) -> Tier:
+def local_tier(tmp_path: Path, memory: bool = False) -> Tier:
     root = tmp_path / "tier"  # not created: the first write does it
 
     def corrupt(key: str) -> None:
@@ -96,7 +98,8 @@ def local_tier(tmp_path: Path) -> Tier:
             f.seek(0)
             f.write(bytes([first[0] ^ 0xFF]))
 
-    return Tier("local", LocalBackend(root), corrupt, root.exists, hides_staged=True)
+    backend = MemoryTier(root, capacity_bytes=1 << 30) if memory else LocalBackend(root)
+    return Tier("local", backend, corrupt, root.exists, hides_staged=True)
 
 
 def s3_tier(moto: MotoServer, tmp_path: Path) -> Tier:
@@ -114,10 +117,10 @@ def s3_tier(moto: MotoServer, tmp_path: Path) -> Tier:
     return Tier("s3", backend, corrupt, lambda: bool(sent), hides_staged=False)
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["local", "mem", pytest.param("s3", marks=pytest.mark.s3)])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
-    if request.param == "local":
-        return local_tier(tmp_path)
+    if request.param in ("local", "mem"):
+        return local_tier(tmp_path, memory=request.param == "mem")
     return s3_tier(request.getfixturevalue("moto"), tmp_path)
 
 

@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from ftd.agent.tiering import Tiering, TokenBucket
+from ftd.agent.tiering import Tiering
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef
 from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, shard_prefix
@@ -31,34 +31,6 @@ from ftd.v1 import checkpoint_pb2
 
 MiB = 1 << 20
 JOB = "job"
-
-# ---- TokenBucket ----------------------------------------------------------------------------------
-
-
-def test_token_bucket_lets_a_burst_through_then_paces_at_the_rate() -> None:
-    bucket = TokenBucket(rate=100.0, burst=50.0)
-    assert bucket.delay(50, now=0.0) == 0.0  # the burst goes at once
-    assert bucket.delay(100, now=0.0) == pytest.approx(1.0)  # then 100 bytes at 100 B/s
-    assert bucket.delay(10, now=1.0) == pytest.approx(0.1)  # the debt was paid by waiting
-    assert bucket.delay(0, now=100.0) == 0.0  # a long idle time refills to the burst only...
-    assert bucket.delay(60, now=100.0) == pytest.approx(0.1)  # ...not beyond it
-
-
-def test_a_zero_rate_means_no_limit() -> None:
-    bucket = TokenBucket(rate=0.0, burst=0.0)
-    assert all(bucket.delay(1 << 30, now=0.0) == 0.0 for _ in range(3))
-
-
-def test_bytes_moved_never_exceed_burst_plus_rate_times_elapsed() -> None:
-    rate, burst = 1000.0, 4000.0
-    bucket = TokenBucket(rate, burst)
-    now, moved = 0.0, 0
-    for n in itertools.islice(itertools.cycle([700, 1, 2500, 64]), 400):
-        moved += n
-        now += bucket.delay(n, now)  # the caller sleeps what it is told
-        assert moved <= burst + rate * now + 1e-6
-    assert now == pytest.approx((moved - burst) / rate)  # and never waits longer than needed
-
 
 # ---- fakes ------------------------------------------------------------------------------------------
 

@@ -9,15 +9,11 @@ from pathlib import Path
 import pytest
 
 from ftd.agent.settings import AgentSettings
-from ftd.storage_backends.tiers import (
-    LocalSpec,
-    S3Spec,
-    TierSpec,
-    open_backend,
-    open_tier,
-    tiers_from_proto,
-    tiers_to_proto,
-)
+from ftd.agent.tiers_wire import tiers_to_proto
+from ftd.storage_backends.local import LocalBackend
+from ftd.storage_backends.memory import MemoryTier
+from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec, open_backend, open_tier
+from ftd.training.agent_link import tiers_from_proto
 from ftd.v1 import agent_pb2
 
 S3 = S3Spec(endpoint="http://127.0.0.1:9", bucket="ckpt", prefix="team/a", region="eu-west-2",
@@ -74,6 +70,13 @@ def test_a_local_tier_opens_on_its_directory(tmp_path: Path) -> None:
     assert (tier.name, tier.location, tier.shared) == ("ssd", "n1", False)
     tier.backend.put_stream("a/b", io.BytesIO(b"x"))
     assert (tmp_path / "ssd" / "a" / "b").read_bytes() == b"x"
+    assert type(tier.backend) is LocalBackend and tier.memory is None
+
+
+def test_the_memory_tier_opens_with_its_budget(tmp_path: Path) -> None:
+    tier = open_tier(TierSpec("mem", "n1", LocalSpec(tmp_path / "mem", 1 << 20)))
+    assert isinstance(tier.memory, MemoryTier) and tier.memory is tier.backend
+    assert tier.memory.capacity_bytes == 1 << 20 and tier.memory.folder_path("j/s") == tmp_path / "mem" / "j" / "s"
 
 
 def test_malformed_specs_are_refused_naming_the_setting() -> None:

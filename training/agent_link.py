@@ -3,17 +3,24 @@
 Every call has a deadline. The agent forwards catalog calls to the coordinator leader; a failure
 reaches the caller as :class:`AgentUnavailable` (no agent, or it could not reach the coordinator)
 or :class:`CatalogRefused` (the coordinator refused the change, e.g. a contradicting shard).
+
+The node's tiers arrive in agent.proto's wire form (``GetTiers``, written by
+``ftd.agent.tiers_wire``); :func:`tiers_from_proto` reads them back into the specs the agent
+opened, so both sides open identical backends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ftd import rpc
 from ftd.rpc import rpc_code, rpc_details
+from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 ENV_SOCKET = "FTD_AGENT_SOCKET"
@@ -55,11 +62,13 @@ class AgentLink:
     def tiers(self) -> agent_pb2.Tiers:
         return self._call("GetTiers", agent_pb2.GetTiersRequest())  # type: ignore[no-any-return]
 
-    def commit_shard(self, manifest: checkpoint_pb2.ShardManifest, tier: str = "",
-                     cadence: str = "") -> checkpoint_pb2.CommitShardResponse:
-        """``tier`` "" is the SSD; "mem" a memory snapshot (the agent replicates it to its buddy)."""
+    def commit_shard(self, manifest: checkpoint_pb2.ShardManifest, tier: str = "", cadence: str = "",
+                     from_tier: str = "", timeout_s: float | None = None) -> checkpoint_pb2.CommitShardResponse:
+        """``tier`` "" is the SSD; "mem" a memory snapshot (the agent replicates it to its buddy).
+        ``from_tier`` "mem": the shard's bytes are in the memory tier, and the agent copies them to
+        ``tier`` before it commits (the durable step of a memory snapshot: allow ``timeout_s``)."""
         return self._call("CommitShard", checkpoint_pb2.CommitShardRequest(  # type: ignore[no-any-return]
-            manifest=manifest, tier=tier, cadence=cadence))
+            manifest=manifest, tier=tier, cadence=cadence, from_tier=from_tier), timeout_s=timeout_s)
 
     def fetch_shard(self, request: agent_pb2.FetchShardRequest,
                     timeout_s: float = 300.0) -> agent_pb2.FetchShardResponse:
@@ -70,6 +79,19 @@ class AgentLink:
 
     def record_copy(self, request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
         return self._call("RecordCopy", request)  # type: ignore[no-any-return]
+
+    def record_gone(self, job: str, step: int, rank: int, tier: str, location: str) -> None:
+        """Best effort, never raises: this node no longer holds that copy (the catalog must not
+        keep offering it; the next memory commit prunes it anyway)."""
+        with contextlib.suppress(AgentUnavailable, CatalogRefused):
+            self.record_copy(checkpoint_pb2.RecordCopyRequest(job=job, step=step, rank=rank, tier=tier,
+                                                              location=location, present=False))
+
+    def record_corrupt(self, job: str, step: int, rank: int, tier: str, location: str, why: str) -> None:
+        """Best effort, never raises: that copy failed its check (a peer's copy is recorded by its node)."""
+        with contextlib.suppress(AgentUnavailable, CatalogRefused):
+            self.record_copy(checkpoint_pb2.RecordCopyRequest(job=job, step=step, rank=rank, tier=tier,
+                                                              location=location, present=True, corrupt_reason=why))
 
     def invalidate(self, job: str, step: int, reason: str) -> checkpoint_pb2.CheckpointInfo:
         return self._call("InvalidateCheckpoint", checkpoint_pb2.InvalidateCheckpointRequest(  # type: ignore[no-any-return]
@@ -97,3 +119,30 @@ class AgentLink:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def spec_from_proto(msg: agent_pb2.TierSpec) -> TierSpec:
+    """Raises ``ValueError`` for a spec that names no storage or carries out-of-range settings."""
+    which = msg.WhichOneof("storage")
+    storage: LocalSpec | S3Spec
+    if which == "local":
+        if not msg.local.path:
+            raise ValueError(f"tier {msg.name!r}: the directory tier has no path")
+        storage = LocalSpec(Path(msg.local.path), msg.local.capacity_bytes)
+    elif which == "s3":
+        s = msg.s3
+        storage = S3Spec(
+            endpoint=s.endpoint, bucket=s.bucket, prefix=s.prefix, region=s.region,
+            connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s, max_attempts=s.max_attempts,
+            state_dir=Path(s.state_dir) if s.state_dir else None, part_size=s.part_size, concurrency=s.concurrency,
+            backoff_s=s.backoff_s, max_backoff_s=s.max_backoff_s, part_checksum=s.part_checksum,
+            spool_dir=Path(s.spool_dir) if s.spool_dir else None)
+    else:
+        raise ValueError(f"tier {msg.name!r} names no storage (an agent older than the training side?)")
+    return TierSpec(msg.name, msg.location, storage)
+
+
+def tiers_from_proto(msg: agent_pb2.Tiers) -> list[TierSpec]:
+    if not msg.tiers:
+        raise ValueError(f"node {msg.node_id!r} reported no tiers (an agent older than the training side?)")
+    return [spec_from_proto(t) for t in msg.tiers]

@@ -45,7 +45,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from ftd.etcd_client import EtcdTls, make_client, next_member
-from ftd.pki import IdentityFiles, PkiError
+from ftd.identity import IdentityFiles, PkiError
 
 T = TypeVar("T")
 BACKEND = "etcd-v3"

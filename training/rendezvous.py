@@ -47,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from ftd.client import CoordinatorClient
-from ftd.pki import IdentityFiles, PkiError
+from ftd.identity import IdentityFiles, PkiError
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 

@@ -733,6 +733,54 @@ class CheckHealthRequest(_message.Message):
 Global___CheckHealthRequest: _TypeAlias = CheckHealthRequest  # noqa: Y015
 
 @_typing.final
+class ClearGpuFaultsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """logged by the agent with what it cleared"""
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearGpuFaultsRequest: _TypeAlias = ClearGpuFaultsRequest  # noqa: Y015
+
+@_typing.final
+class ClearGpuFaultsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLEARED_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cleared(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """e.g. "gpu3 XID 79 (x2, first at 1800000000)" """
+
+    @_builtins.property
+    def verdict(self) -> _cluster_pb2.HealthVerdict:
+        """a fresh sample judged after the clear"""
+
+    def __init__(
+        self,
+        *,
+        cleared: _abc.Iterable[_builtins.str] | None = ...,
+        verdict: _cluster_pb2.HealthVerdict | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["verdict", b"verdict"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClearGpuFaultsResponse: _TypeAlias = ClearGpuFaultsResponse  # noqa: Y015
+
+@_typing.final
 class KillRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

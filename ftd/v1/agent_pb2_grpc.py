@@ -86,6 +86,11 @@ class AgentStub:
                 request_serializer=ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_cluster__pb2.HealthVerdict.FromString,
                 _registered_method=True)
+        self.ClearGpuFaults = channel.unary_unary(
+                '/ftd.v1.Agent/ClearGpuFaults',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.ClearGpuFaultsRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.ClearGpuFaultsResponse.FromString,
+                _registered_method=True)
         self.ReadShard = channel.unary_stream(
                 '/ftd.v1.Agent/ReadShard',
                 request_serializer=ftd_dot_v1_dot_agent__pb2.ReadShardRequest.SerializeToString,
@@ -173,7 +178,16 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CheckHealth(self, request, context):
-        """Runs the node's health checks now (disks, GPUs) against its configured thresholds.
+        """Runs the node's health checks now (disks, GPUs) against its configured thresholds: a fresh sample,
+        waited for at most the agent's health_deadline_s (a hung probe is then what the verdict says).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClearGpuFaults(self, request, context):
+        """Forgets the critical XIDs this node's GPUs raised (they keep it unhealthy until cleared, across agent
+        restarts; a reboot clears them too): an operator, after resetting the GPU or judging the fault benign.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,6 +284,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.CheckHealth,
                     request_deserializer=ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_cluster__pb2.HealthVerdict.SerializeToString,
+            ),
+            'ClearGpuFaults': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearGpuFaults,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.ClearGpuFaultsRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.ClearGpuFaultsResponse.SerializeToString,
             ),
             'ReadShard': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadShard,
@@ -562,6 +581,33 @@ class Agent:
             '/ftd.v1.Agent/CheckHealth',
             ftd_dot_v1_dot_agent__pb2.CheckHealthRequest.SerializeToString,
             ftd_dot_v1_dot_cluster__pb2.HealthVerdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearGpuFaults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/ClearGpuFaults',
+            ftd_dot_v1_dot_agent__pb2.ClearGpuFaultsRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.ClearGpuFaultsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,7 +54,13 @@ class AgentStub:
     VerifyCopy: _grpc.UnaryUnaryMultiCallable[_agent_pb2.VerifyCopyRequest, _agent_pb2.VerifyCopyResponse]
     """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
     CheckHealth: _grpc.UnaryUnaryMultiCallable[_agent_pb2.CheckHealthRequest, _cluster_pb2.HealthVerdict]
-    """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
+    """Runs the node's health checks now (disks, GPUs) against its configured thresholds: a fresh sample,
+    waited for at most the agent's health_deadline_s (a hung probe is then what the verdict says).
+    """
+    ClearGpuFaults: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ClearGpuFaultsRequest, _agent_pb2.ClearGpuFaultsResponse]
+    """Forgets the critical XIDs this node's GPUs raised (they keep it unhealthy until cleared, across agent
+    restarts; a reboot clears them too): an operator, after resetting the GPU or judging the fault benign.
+    """
     ReadShard: _grpc.UnaryStreamMultiCallable[_agent_pb2.ReadShardRequest, _agent_pb2.ShardChunk]
     """Agent to agent: streams one published shard copy from one of this node's tiers (the peer copy
     path: a spare restores a rank from a surviving node's SSD or memory). NOT_FOUND when the copy is
@@ -101,7 +107,13 @@ class AgentAsyncStub(AgentStub):
     VerifyCopy: _aio.UnaryUnaryMultiCallable[_agent_pb2.VerifyCopyRequest, _agent_pb2.VerifyCopyResponse]  # type: ignore[assignment]
     """Re-reads one shard copy on one of this node's tiers and checks every file's CRC32C."""
     CheckHealth: _aio.UnaryUnaryMultiCallable[_agent_pb2.CheckHealthRequest, _cluster_pb2.HealthVerdict]  # type: ignore[assignment]
-    """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
+    """Runs the node's health checks now (disks, GPUs) against its configured thresholds: a fresh sample,
+    waited for at most the agent's health_deadline_s (a hung probe is then what the verdict says).
+    """
+    ClearGpuFaults: _aio.UnaryUnaryMultiCallable[_agent_pb2.ClearGpuFaultsRequest, _agent_pb2.ClearGpuFaultsResponse]  # type: ignore[assignment]
+    """Forgets the critical XIDs this node's GPUs raised (they keep it unhealthy until cleared, across agent
+    restarts; a reboot clears them too): an operator, after resetting the GPU or judging the fault benign.
+    """
     ReadShard: _aio.UnaryStreamMultiCallable[_agent_pb2.ReadShardRequest, _agent_pb2.ShardChunk]  # type: ignore[assignment]
     """Agent to agent: streams one published shard copy from one of this node's tiers (the peer copy
     path: a spare restores a rank from a surviving node's SSD or memory). NOT_FOUND when the copy is
@@ -205,7 +217,19 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_pb2.CheckHealthRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.HealthVerdict, _abc.Awaitable[_cluster_pb2.HealthVerdict]]:
-        """Runs the node's health checks now (disks, GPUs) against its configured thresholds."""
+        """Runs the node's health checks now (disks, GPUs) against its configured thresholds: a fresh sample,
+        waited for at most the agent's health_deadline_s (a hung probe is then what the verdict says).
+        """
+
+    @_abc_1.abstractmethod
+    def ClearGpuFaults(
+        self,
+        request: _agent_pb2.ClearGpuFaultsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.ClearGpuFaultsResponse, _abc.Awaitable[_agent_pb2.ClearGpuFaultsResponse]]:
+        """Forgets the critical XIDs this node's GPUs raised (they keep it unhealthy until cleared, across agent
+        restarts; a reboot clears them too): an operator, after resetting the GPU or judging the fault benign.
+        """
 
     @_abc_1.abstractmethod
     def ReadShard(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66td/v1/checkpoint.proto\x12\x06\x66td.v1\"7\n\tShardFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\t\"\xa5\x01\n\rShardManifest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12 \n\x05\x66iles\x18\x07 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12\x16\n\x0e\x63reated_unix_s\x18\x08 \x01(\x01\"+\n\tShardCopy\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\"\xd4\x01\n\tShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12!\n\x06\x63opies\x18\x05 \x03(\x0b\x32\x11.ftd.v1.ShardCopy\x12\'\n\x03\x62\x61\x64\x18\x06 \x03(\x0b\x32\x1a.ftd.v1.ShardInfo.BadEntry\x1a*\n\x08\x42\x61\x64\x45ntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbc\x02\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x06 \x01(\x01\x12\r\n\x05valid\x18\x07 \x01(\x08\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12!\n\x06shards\x18\n \x03(\x0b\x32\x11.ftd.v1.ShardInfo\x12\x33\n\x07on_tier\x18\x0b \x03(\x0b\x32\".ftd.v1.CheckpointInfo.OnTierEntry\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x0c \x01(\t\x1a-\n\x0bOnTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x08:\x02\x38\x01\"n\n\x12\x43ommitShardRequest\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.ftd.v1.ShardManifest\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x04 \x01(\t\"R\n\x13\x43ommitShardResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x85\x01\n\x11RecordCopyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x10\n\x08location\x18\x05 \x01(\t\x12\x0f\n\x07present\x18\x06 \x01(\x08\x12\x16\n\x0e\x63orrupt_reason\x18\x07 \x01(\t\"@\n\x12RecordCopyResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\"H\n\x1bInvalidateCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"_\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"N\n\x17GetRestoreTargetRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\"Z\n\rRestoreTarget\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\",\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"Q\n\x10RollbackResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x15\n\rremoved_steps\x18\x02 \x03(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66td/v1/checkpoint.proto\x12\x06\x66td.v1\"7\n\tShardFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\t\"\xa5\x01\n\rShardManifest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12 \n\x05\x66iles\x18\x07 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12\x16\n\x0e\x63reated_unix_s\x18\x08 \x01(\x01\"+\n\tShardCopy\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\"\xd4\x01\n\tShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12!\n\x06\x63opies\x18\x05 \x03(\x0b\x32\x11.ftd.v1.ShardCopy\x12\'\n\x03\x62\x61\x64\x18\x06 \x03(\x0b\x32\x1a.ftd.v1.ShardInfo.BadEntry\x1a*\n\x08\x42\x61\x64\x45ntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbc\x02\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x06 \x01(\x01\x12\r\n\x05valid\x18\x07 \x01(\x08\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12!\n\x06shards\x18\n \x03(\x0b\x32\x11.ftd.v1.ShardInfo\x12\x33\n\x07on_tier\x18\x0b \x03(\x0b\x32\".ftd.v1.CheckpointInfo.OnTierEntry\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x0c \x01(\t\x1a-\n\x0bOnTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x08:\x02\x38\x01\"\x81\x01\n\x12\x43ommitShardRequest\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.ftd.v1.ShardManifest\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x04 \x01(\t\x12\x11\n\tfrom_tier\x18\x05 \x01(\t\"R\n\x13\x43ommitShardResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x85\x01\n\x11RecordCopyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x10\n\x08location\x18\x05 \x01(\t\x12\x0f\n\x07present\x18\x06 \x01(\x08\x12\x16\n\x0e\x63orrupt_reason\x18\x07 \x01(\t\"@\n\x12RecordCopyResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\"H\n\x1bInvalidateCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"_\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"N\n\x17GetRestoreTargetRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\"Z\n\rRestoreTarget\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\",\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"Q\n\x10RollbackResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x15\n\rremoved_steps\x18\x02 \x03(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,26 +49,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTINFO']._serialized_end=837
   _globals['_CHECKPOINTINFO_ONTIERENTRY']._serialized_start=792
   _globals['_CHECKPOINTINFO_ONTIERENTRY']._serialized_end=837
-  _globals['_COMMITSHARDREQUEST']._serialized_start=839
-  _globals['_COMMITSHARDREQUEST']._serialized_end=949
-  _globals['_COMMITSHARDRESPONSE']._serialized_start=951
-  _globals['_COMMITSHARDRESPONSE']._serialized_end=1033
-  _globals['_RECORDCOPYREQUEST']._serialized_start=1036
-  _globals['_RECORDCOPYREQUEST']._serialized_end=1169
-  _globals['_RECORDCOPYRESPONSE']._serialized_start=1171
-  _globals['_RECORDCOPYRESPONSE']._serialized_end=1235
-  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_start=1237
-  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_end=1309
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1311
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1387
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1389
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1484
-  _globals['_GETRESTORETARGETREQUEST']._serialized_start=1486
-  _globals['_GETRESTORETARGETREQUEST']._serialized_end=1564
-  _globals['_RESTORETARGET']._serialized_start=1566
-  _globals['_RESTORETARGET']._serialized_end=1656
-  _globals['_ROLLBACKREQUEST']._serialized_start=1658
-  _globals['_ROLLBACKREQUEST']._serialized_end=1702
-  _globals['_ROLLBACKRESPONSE']._serialized_start=1704
-  _globals['_ROLLBACKRESPONSE']._serialized_end=1785
+  _globals['_COMMITSHARDREQUEST']._serialized_start=840
+  _globals['_COMMITSHARDREQUEST']._serialized_end=969
+  _globals['_COMMITSHARDRESPONSE']._serialized_start=971
+  _globals['_COMMITSHARDRESPONSE']._serialized_end=1053
+  _globals['_RECORDCOPYREQUEST']._serialized_start=1056
+  _globals['_RECORDCOPYREQUEST']._serialized_end=1189
+  _globals['_RECORDCOPYRESPONSE']._serialized_start=1191
+  _globals['_RECORDCOPYRESPONSE']._serialized_end=1255
+  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_start=1257
+  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_end=1329
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1331
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1407
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1409
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1504
+  _globals['_GETRESTORETARGETREQUEST']._serialized_start=1506
+  _globals['_GETRESTORETARGETREQUEST']._serialized_end=1584
+  _globals['_RESTORETARGET']._serialized_start=1586
+  _globals['_RESTORETARGET']._serialized_end=1676
+  _globals['_ROLLBACKREQUEST']._serialized_start=1678
+  _globals['_ROLLBACKREQUEST']._serialized_end=1722
+  _globals['_ROLLBACKRESPONSE']._serialized_start=1724
+  _globals['_ROLLBACKRESPONSE']._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

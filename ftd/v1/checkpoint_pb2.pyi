@@ -257,11 +257,17 @@ class CommitShardRequest(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     LOCATION_FIELD_NUMBER: _builtins.int
     CADENCE_FIELD_NUMBER: _builtins.int
+    FROM_TIER_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     location: _builtins.str
     cadence: _builtins.str
     """The job's save cadence, e.g. "memory_every_steps=1 persist_every_steps=1000 persist_every_s=0"
     (ftd.training.cadence.CadencePolicy.describe), kept with the step for `ftctl checkpoints list`.
+    """
+    from_tier: _builtins.str
+    """To the agent only: the shard's bytes are on this node's tier `from_tier` ("mem": a memory
+    snapshot of a durable step); the agent copies them to `tier` (every file checked against the
+    manifest) before it commits there. The agent clears it before forwarding.
     """
     @_builtins.property
     def manifest(self) -> Global___ShardManifest: ...
@@ -272,10 +278,11 @@ class CommitShardRequest(_message.Message):
         tier: _builtins.str = ...,
         location: _builtins.str = ...,
         cadence: _builtins.str = ...,
+        from_tier: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cadence", b"cadence", "location", b"location", "manifest", b"manifest", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cadence", b"cadence", "from_tier", b"from_tier", "location", b"location", "manifest", b"manifest", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

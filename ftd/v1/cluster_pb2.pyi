@@ -129,7 +129,7 @@ Global___GpuHealth: _TypeAlias = GpuHealth  # noqa: Y015
 
 @_typing.final
 class HealthCheck(_message.Message):
-    """One health check against its threshold (agent/health_checks.py)."""
+    """One health check against its threshold (agent/health_rules.py)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -311,6 +311,7 @@ class Assignment(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     role: Global___Role.ValueType
     rank: _builtins.int
@@ -328,6 +329,12 @@ class Assignment(_message.Message):
     def world(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """node ids by rank; sent on epoch changes, empty above 256 ranks"""
 
+    @_builtins.property
+    def peers(self) -> Global___Peers:
+        """Who this node works with, chosen by the coordinator (coordinator/buddies.py). Sent on a heartbeat
+        stream's first answer and whenever it changes; absent: unchanged since the last answer.
+        """
+
     def __init__(
         self,
         *,
@@ -340,14 +347,86 @@ class Assignment(_message.Message):
         world_size: _builtins.int = ...,
         job: _builtins.str = ...,
         round: _builtins.int = ...,
+        peers: Global___Peers | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_peers", b"_peers", "peers", b"peers"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_peers", b"_peers", "epoch", b"epoch", "fenced", b"fenced", "job", b"job", "peers", b"peers", "rank", b"rank", "reason", b"reason", "role", b"role", "round", b"round", "world", b"world", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__peers: _TypeAlias = _typing.Literal["peers"]  # noqa: Y015
+    _WhichOneofArgType__peers: _TypeAlias = _typing.Literal["_peers", b"_peers"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__peers) -> _WhichOneofReturnType__peers | None: ...
+
+Global___Assignment: _TypeAlias = Assignment  # noqa: Y015
+
+@_typing.final
+class PeerAddress(_message.Message):
+    """The agent address of a node this node may talk to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    AGENT_ADDRESS_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    agent_address: _builtins.str
+    """HOST:PORT of its agent's gRPC endpoint"""
+    rank: _builtins.int
+    """-1 when not in the world"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        agent_address: _builtins.str = ...,
+        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fenced", b"fenced", "job", b"job", "rank", b"rank", "reason", b"reason", "role", b"role", "round", b"round", "world", b"world", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "node_id", b"node_id", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___Assignment: _TypeAlias = Assignment  # noqa: Y015
+Global___PeerAddress: _TypeAlias = PeerAddress  # noqa: Y015
+
+@_typing.final
+class Peers(_message.Message):
+    """A node's buddy and the agent addresses it needs: the buddy (replication), the rank neighbours (RTT
+    probes), the holders of copies it may pull (peer restore).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUDDY_FIELD_NUMBER: _builtins.int
+    BUDDY_REASON_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
+    buddy: _builtins.str
+    """the node holding this node's in-memory replicas ("" when none)"""
+    buddy_reason: _builtins.str
+    """why it, e.g. "node-1 is the next node in another rack (r1, not r0)" """
+    complete: _builtins.bool
+    """Every such node of the cluster is listed (up to 256 of them); false: only the buddy, the rank
+    neighbours and the nodes holding copies of this node's rank.
+    """
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerAddress]:
+        """in node id order; the nodes not dead, not fenced"""
+
+    def __init__(
+        self,
+        *,
+        buddy: _builtins.str = ...,
+        buddy_reason: _builtins.str = ...,
+        addresses: _abc.Iterable[Global___PeerAddress] | None = ...,
+        complete: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "buddy", b"buddy", "buddy_reason", b"buddy_reason", "complete", b"complete"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Peers: _TypeAlias = Peers  # noqa: Y015
 
 @_typing.final
 class Event(_message.Message):

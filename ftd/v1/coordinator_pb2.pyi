@@ -733,21 +733,29 @@ class ListEventsRequest(_message.Message):
 
     LIMIT_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
     limit: _builtins.int
     """newest first; 0 means 100: the page size (at most 10000, and about 2 MiB)"""
     page_token: _builtins.str
     """"" for the newest events, else the previous answer's next_page_token"""
+    after_seq: _builtins.int
+    """Set: the events after this sequence number instead (0: from the first), oldest first, no
+    page_token: how a watcher follows the log (ftctl drill). Answered without etcd when nothing is newer.
+    """
     def __init__(
         self,
         *,
         limit: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        after_seq: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_after_seq", b"_after_seq", "after_seq", b"after_seq"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_after_seq", b"_after_seq", "after_seq", b"after_seq", "limit", b"limit", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__after_seq: _TypeAlias = _typing.Literal["after_seq"]  # noqa: Y015
+    _WhichOneofArgType__after_seq: _TypeAlias = _typing.Literal["_after_seq", b"_after_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__after_seq) -> _WhichOneofReturnType__after_seq | None: ...
 
 Global___ListEventsRequest: _TypeAlias = ListEventsRequest  # noqa: Y015
 
@@ -758,7 +766,7 @@ class ListEventsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
-    """"" when no older event is left"""
+    """"" when no older event is left; with after_seq: "" when no newer one is"""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_cluster_pb2.Event]: ...
     def __init__(

@@ -135,7 +135,8 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request_iterator, context):
         """One stream per agent: the agent sends a heartbeat every interval; the coordinator answers each
-        one and pushes a fresh assignment as soon as an epoch is committed.
+        one and pushes a fresh assignment as soon as an epoch is committed or the node's buddy or peer
+        addresses change (Assignment.peers).
         NOT_FOUND (naming the node) when the node is not registered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

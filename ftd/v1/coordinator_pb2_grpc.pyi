@@ -43,7 +43,8 @@ class CoordinatorStub:
     """
     Heartbeat: _grpc.StreamStreamMultiCallable[_coordinator_pb2.HeartbeatRequest, _coordinator_pb2.HeartbeatResponse]
     """One stream per agent: the agent sends a heartbeat every interval; the coordinator answers each
-    one and pushes a fresh assignment as soon as an epoch is committed.
+    one and pushes a fresh assignment as soon as an epoch is committed or the node's buddy or peer
+    addresses change (Assignment.peers).
     NOT_FOUND (naming the node) when the node is not registered.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]
@@ -87,7 +88,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     Heartbeat: _aio.StreamStreamMultiCallable[_coordinator_pb2.HeartbeatRequest, _coordinator_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """One stream per agent: the agent sends a heartbeat every interval; the coordinator answers each
-    one and pushes a fresh assignment as soon as an epoch is committed.
+    one and pushes a fresh assignment as soon as an epoch is committed or the node's buddy or peer
+    addresses change (Assignment.peers).
     NOT_FOUND (naming the node) when the node is not registered.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.ClusterStatus]  # type: ignore[assignment]
@@ -140,7 +142,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.HeartbeatResponse], _abc.AsyncIterator[_coordinator_pb2.HeartbeatResponse]]:
         """One stream per agent: the agent sends a heartbeat every interval; the coordinator answers each
-        one and pushes a fresh assignment as soon as an epoch is committed.
+        one and pushes a fresh assignment as soon as an epoch is committed or the node's buddy or peer
+        addresses change (Assignment.peers).
         NOT_FOUND (naming the node) when the node is not registered.
         """
 

@@ -4,6 +4,7 @@ Every identifier is checked with ``re.fullmatch`` (``^…$`` with ``re.match`` l
 as a second ``node-0``), every string, list and map has a cap, and a request over a cap is refused
 with ``INVALID_ARGUMENT`` naming the field and the cap, before anything is looked up or written.
 Free text (reasons) is normalised to one line of printable characters before it is stored or logged.
+List requests' pages are bounded in :mod:`.paging`, per-node write rates in :mod:`.rate_limits`.
 
 The numbers, and why:
 
@@ -21,39 +22,24 @@ The numbers, and why:
 ``MAX_HEALTH_ITEMS``              64         disks, checks, GPUs of one node
 ``MAX_MANIFEST_FILES``            4096       one rank's shard (torch: 1 file, dcp: a few)
 ``MAX_EVENT_MESSAGE``             2048       one event log line (etcd value)
-``DEFAULT_PAGE_SIZE``             1000       list RPCs: items per page when the client sets none
-``MAX_PAGE_SIZE``                 5000
-``MAX_PAGE_BYTES``                2 MiB      a page stops growing here (the first item always
-                                             fits), well under gRPC's default 4 MiB receive limit
 ``MAX_REQUEST_BYTES``             1 MiB      server receive limit: the largest legitimate request
                                              (a 4096-file manifest) is about 400 KiB
 ``MAX_RESPONSE_BYTES``            16 MiB     server send / client receive limit: one
                                              ``CheckpointInfo`` of a very large world
 ================================  =========  ===================================================
-
-Writes are rate limited per node (:class:`WriteLimiter`): a token bucket per (method, node) refills
-``WRITE_RATE_PER_S`` tokens a second up to ``WRITE_BURST``; an empty bucket is ``RESOURCE_EXHAUSTED``
-with the reason. Error logs that a client can trigger go through :class:`LogThrottle`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import re
-import time
 import unicodedata
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Mapping
 
 from ftd import rpc
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import errors, model
-
-T = TypeVar("T")
 
 MAX_ID = 128
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -73,10 +59,6 @@ MAX_REASON = 1024
 MAX_HEALTH_BYTES = 16 * 1024
 MAX_HEALTH_ITEMS = 64
 MAX_MANIFEST_FILES = 4096
-DEFAULT_PAGE_SIZE = 1000
-MAX_PAGE_SIZE = 5000
-MAX_PAGE_BYTES = 2 * 1024 * 1024
-MAX_PAGE_TOKEN = 512
 MAX_REQUEST_BYTES = 1024 * 1024
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 MAX_JOBS = 64  # job records (rendezvous) a cluster keeps; a new job name beyond this is refused
@@ -93,12 +75,6 @@ CLIENT_SIZE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
     ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
 ]
-
-WRITE_RATE_PER_S = 10.0
-WRITE_BURST = 60.0
-MAX_BUCKETS = 20_000
-RATE_LIMITED_METHODS = ("Register", "CommitShard", "RecordCopy", "ReportHang", "JoinRound", "CommitShard/mem",
-                        "RecordCopy/mem")
 
 
 # ---- field checks -----------------------------------------------------------------------------------
@@ -277,133 +253,3 @@ def validate_drain(req: coordinator_pb2.DrainRequest) -> None:
     check_text("reason", req.reason)
     if not math.isfinite(req.deadline_unix_s) or req.deadline_unix_s < 0:
         raise errors.InvalidArgument("deadline_unix_s", f"must be a time >= 0, got {req.deadline_unix_s}")
-
-
-# ---- pages ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Page:
-    size: int  # items at most
-    token: str  # where to start ("" = the beginning)
-
-
-def page(page_size: int, page_token: str, token_re: str = r"[A-Za-z0-9._/:-]{0,512}") -> Page:
-    """A list request's page: ``page_size`` 0 means :data:`DEFAULT_PAGE_SIZE`."""
-    if page_size < 0 or page_size > MAX_PAGE_SIZE:
-        raise errors.InvalidArgument("page_size", f"must be in [0, {MAX_PAGE_SIZE}], got {page_size}")
-    if len(page_token) > MAX_PAGE_TOKEN or re.fullmatch(token_re, page_token) is None:
-        raise errors.InvalidArgument("page_token", f"{shown(page_token)} is not a token this server handed out")
-    return Page(page_size or DEFAULT_PAGE_SIZE, page_token)
-
-
-def take_page(items: Iterable[T], size: int, byte_size: Callable[[T], int],
-              max_bytes: int = MAX_PAGE_BYTES) -> tuple[list[T], bool]:
-    """The first of ``items`` (consumed lazily) that fit ``size`` items and ``max_bytes`` (the first
-    always fits); ``True`` when some were left out."""
-    out: list[T] = []
-    used = 0
-    for item in items:
-        cost = byte_size(item) + 8  # the field's tag and length
-        if len(out) >= size or (out and used + cost > max_bytes):
-            return out, True
-        out.append(item)
-        used += cost
-    return out, False
-
-
-# ---- per-node write rate limits ---------------------------------------------------------------------
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    at: float
-
-
-class WriteLimiter:
-    """A token bucket per (method, key): ``rate`` tokens a second up to ``burst``. Keys are node ids
-    (for a shared location, location and rank), so one node cannot starve the others nor fill etcd.
-    At most ``max_buckets`` are kept; the least recently used full one goes first."""
-
-    def __init__(self, rate: float = WRITE_RATE_PER_S, burst: float = WRITE_BURST,
-                 clock: Callable[[], float] = time.monotonic, max_buckets: int = MAX_BUCKETS,
-                 on_limited: Callable[[str], None] | None = None) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.clock = clock
-        self.max_buckets = max_buckets
-        self.on_limited = on_limited
-        self._buckets: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
-
-    def check(self, method: str, key: str, scale: float = 1.0) -> None:
-        """Takes a token or raises :class:`~.errors.RateLimited` (nothing else changes). ``scale``
-        multiplies rate and burst for a class of writes that is legitimately frequent (memory-tier
-        snapshots: one per rank and step) and gets a bucket of its own."""
-        if self.rate <= 0:
-            return
-        rate, burst = self.rate * scale, self.burst * scale
-        now = self.clock()
-        bucket = self._buckets.get((method, key))
-        if bucket is None:
-            self._make_room()
-            bucket = self._buckets[(method, key)] = _Bucket(burst, now)
-        else:
-            self._buckets.move_to_end((method, key))
-            bucket.tokens = min(burst, bucket.tokens + max(0.0, now - bucket.at) * rate)
-            bucket.at = now
-        if bucket.tokens < 1.0:
-            if self.on_limited is not None:
-                self.on_limited(method)
-            wait = (1.0 - bucket.tokens) / rate
-            raise errors.RateLimited(f"{method} from {key!r} is over its write rate limit "
-                                     f"({rate:g}/s, burst {burst:g}); retry in {wait:.1f}s")
-        bucket.tokens -= 1.0
-
-    def _make_room(self) -> None:
-        while len(self._buckets) >= self.max_buckets:
-            self._buckets.popitem(last=False)
-
-
-# Memory-tier snapshots are committed every step by every rank: their own buckets, 20 times wider.
-MEMORY_TIER_SCALE = 20.0
-
-
-def shard_writer(location: str, rank: int) -> str:
-    """The rate-limit key of a catalog write: the node for a node-local copy; for a shared location
-    (any node may write there) the location and rank, so each rank's writer has its own bucket."""
-    return f"{location}/rank-{rank}" if location in SHARED_LOCATIONS else location
-
-
-# ---- rate-limited error logs --------------------------------------------------------------------------
-
-
-class LogThrottle:
-    """Logs a message of a kind at most once per ``period_s``; the next one says how many were
-    suppressed. Kinds are fixed strings from the code, never request data."""
-
-    def __init__(self, logger: logging.Logger, period_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, max_kinds: int = 256) -> None:
-        self.logger = logger
-        self.period_s = period_s
-        self.clock = clock
-        self.max_kinds = max_kinds
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def log(self, level: int, kind: str, msg: str, *args: object) -> bool:
-        """Returns whether the message was written."""
-        now = self.clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.period_s:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return False
-        if last is None and len(self._last) >= self.max_kinds:
-            self._last.clear()
-            self._suppressed.clear()
-        self._last[kind] = now
-        dropped = self._suppressed.pop(kind, 0)
-        if dropped:
-            msg += f" ({dropped} similar message(s) suppressed in the last {self.period_s:g}s)"
-        self.logger.log(level, msg, *args)
-        return True

@@ -1,0 +1,274 @@
+"""CA administration: creating the cluster CA, issuing certificates from it and rotating them (what
+``ftctl certs`` and ``ftctl up`` run, on the operator's machine where ``ca.key`` stays). What a running
+process reads back (its identity, a peer's) is :mod:`ftd.identity`, which also gives the layout of a
+PKI directory.
+
+Keys are EC P-256, written 0600 and directories 0700, each file atomically (temp + fsync + rename).
+A rotation writes the key first and the certificate second, so a reader that sees the new key re-reads
+until the certificate matches (:meth:`ftd.identity.IdentityFiles.load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import ipaddress
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ftd.identity import (
+    CLUSTER_RE,
+    DEFAULT_HOSTS,
+    DEFAULT_OPERATOR,
+    TRUST_DOMAIN,
+    PkiError,
+    ca_paths,
+    cert_hosts,
+    cert_identity,
+    load_certs,
+    parse_key,
+    paths,
+    public_key_der,
+    read_file,
+    spiffe_uri,
+    utc_now,
+)
+
+CA_DAYS = 3650
+LEAF_DAYS = 365
+_BACKDATE = dt.timedelta(minutes=5)  # tolerate clocks a little behind the CA's
+_HOST = re.compile(r"[A-Za-z0-9*]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+log = logging.getLogger("ftd.pki")
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+def _mkdirs(path: Path) -> None:
+    """Creates ``path`` with mode 0700 (an existing directory keeps its mode: it may be shared)."""
+    if path.is_dir():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+
+
+def write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """``path`` holds ``data`` with ``mode``, replaced in one rename after an fsync of the data (and of
+    the directory, so the rename survives a crash)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+# ---- certificates --------------------------------------------------------------------------------
+
+
+def _host_sans(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    out: list[x509.GeneralName] = []
+    seen: set[str] = set()
+    for given in [*DEFAULT_HOSTS, *hosts]:
+        host = given.strip().strip("[]")
+        if not host or host in seen:
+            continue
+        seen.add(host)
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            if not _HOST.fullmatch(host):
+                raise PkiError(f"bad host {host[:260]!r} for a certificate: expected an IP address or a DNS "
+                               "name") from None
+            out.append(x509.DNSName(host))
+    return out
+
+
+def _ca_cluster(ca: x509.Certificate, path: Path) -> str:
+    try:
+        san = ca.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        uris = []
+    prefix = f"spiffe://{TRUST_DOMAIN}/"
+    for uri in uris:
+        cluster = uri[len(prefix):] if uri.startswith(prefix) else ""
+        if CLUSTER_RE.fullmatch(cluster):
+            return cluster
+    raise PkiError(f"CA certificate {path} names no ftd cluster (no spiffe://{TRUST_DOMAIN}/<cluster> SAN)")
+
+
+def init_ca(pki_dir: Path, cluster: str, days: int = CA_DAYS, force: bool = False) -> Path:
+    """Creates the cluster CA in ``pki_dir`` (``ca.crt`` and ``ca.key``, EC P-256, ``days`` valid).
+    Refuses to replace an existing CA unless ``force``: every certificate it issued would stop being
+    trusted. Returns the path of ``ca.crt``."""
+    if not CLUSTER_RE.fullmatch(cluster):
+        raise PkiError(f"bad cluster name {cluster[:80]!r}: expected [A-Za-z0-9._-]{{1,63}}")
+    pki_dir = Path(pki_dir)
+    crt_path, key_path = ca_paths(pki_dir)
+    if not force and (crt_path.exists() or key_path.exists()):
+        raise PkiError(f"a CA already exists in {pki_dir} ({crt_path}); refusing to replace it "
+                       "(every certificate it issued would stop being trusted)")
+    _mkdirs(pki_dir)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ftd"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, f"ftd cluster CA {cluster}")])
+    now = utc_now()
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(ski, critical=False)
+        .add_extension(x509.SubjectAlternativeName([
+            x509.UniformResourceIdentifier(f"spiffe://{TRUST_DOMAIN}/{cluster}")]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    write_atomic(key_path, _key_pem(key), 0o600)
+    write_atomic(crt_path, _cert_pem(cert), 0o644)
+    log.info("created the CA of cluster %s in %s", cluster, pki_dir)
+    return crt_path
+
+
+def _load_ca(pki_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, str]:
+    crt_path, key_path = ca_paths(pki_dir)
+    ca = load_certs(crt_path, "CA certificate")[0]
+    key = parse_key(read_file(key_path, "CA key"), key_path, "CA key")
+    if public_key_der(key) != public_key_der(ca):
+        raise PkiError(f"CA key {key_path} does not belong to CA certificate {crt_path}")
+    if ca.not_valid_after_utc <= utc_now():
+        raise PkiError(f"CA certificate {crt_path} expired on {ca.not_valid_after_utc:%Y-%m-%d}")
+    return ca, key, _ca_cluster(ca, crt_path)
+
+
+def _sign_leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, cluster: str, kind: str, name: str,
+               hosts: Sequence[str], days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = utc_now()
+    not_after = min(now + dt.timedelta(days=days), ca.not_valid_after_utc)
+    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ftd"),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, cluster),
+                         x509.NameAttribute(NameOID.COMMON_NAME, f"ftd-{kind}")])
+    san = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(spiffe_uri(cluster, kind, name)),
+                                       *_host_sans(hosts)])
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(ca.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE).not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(san, critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def issue(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] = (), days: int = LEAF_DAYS,
+          force: bool = False) -> Path:
+    """Issues a certificate for ``kind``/``name`` signed by the CA in ``pki_dir``, valid ``days`` (at
+    most until the CA expires), with ``hosts`` (and :data:`DEFAULT_HOSTS`) as DNS/IP SANs. Refuses to
+    replace an existing one unless ``force`` (use :func:`rotate`). Returns the certificate's path."""
+    pki_dir = Path(pki_dir)
+    crt_path, key_path = paths(pki_dir, kind, name)
+    if days < 0:
+        raise PkiError(f"bad validity for {kind}/{name}: {days} days")
+    if not force and crt_path.exists():
+        raise PkiError(f"{kind} certificate {crt_path} already exists; rotate it with "
+                       f"'ftctl certs rotate {kind} {name}'")
+    ca, ca_key, cluster = _load_ca(pki_dir)
+    key, cert = _sign_leaf(ca, ca_key, cluster, kind, name, hosts, days)
+    _mkdirs(crt_path.parent)
+    write_atomic(key_path, _key_pem(key), 0o600)
+    write_atomic(crt_path, _cert_pem(cert), 0o644)
+    log.info("issued %s/%s (serial %x, hosts %s) until %s", kind, name, cert.serial_number,
+             ",".join([*DEFAULT_HOSTS, *hosts]), cert.not_valid_after_utc.isoformat())
+    return crt_path
+
+
+def bootstrap(pki_dir: Path, cluster: str, nodes: Iterable[str] = (), coordinators: Iterable[str] = (),
+              etcd: Iterable[str] = (), hosts: Sequence[str] = (), days: int = LEAF_DAYS) -> list[Path]:
+    """What ``ftctl up`` needs, created where missing and kept where present (a re-run issues nothing
+    twice): the CA, the default operator, and per node its agent and rendezvous certificates, per
+    coordinator replica and per etcd member one certificate, each for ``hosts`` too. Returns the
+    certificates issued."""
+    pki_dir = Path(pki_dir)
+    ca_path = ca_paths(pki_dir)[0]
+    if not ca_path.exists():
+        init_ca(pki_dir, cluster)
+    existing = _ca_cluster(load_certs(ca_path, "CA certificate")[0], ca_path)
+    if existing != cluster:
+        raise PkiError(f"the CA in {ca_path} is of cluster {existing!r}, not {cluster!r}")
+    wanted = [("operator", DEFAULT_OPERATOR), *(("node", n) for n in nodes), *(("rendezvous", n) for n in nodes),
+              *(("coordinator", c) for c in coordinators), *(("etcd", m) for m in etcd)]
+    return [issue(pki_dir, kind, name, hosts, days) for kind, name in wanted
+            if not paths(pki_dir, kind, name)[0].exists()]
+
+
+def rotate(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] | None = None, days: int = LEAF_DAYS) -> Path:
+    """A new key and certificate for an existing identity, keeping its hosts unless ``hosts`` is given.
+    Servers built with :func:`ftd.rpc.add_port` from :class:`~ftd.identity.IdentityFiles` serve it to new
+    connections without a restart; clients use it for channels they open afterwards."""
+    pki_dir = Path(pki_dir)
+    crt_path, _ = paths(pki_dir, kind, name)
+    old = load_certs(crt_path, f"{kind} certificate")[0]
+    return issue(pki_dir, kind, name, cert_hosts(old) if hosts is None else hosts, days, force=True)
+
+
+# ---- inspection (ftctl certs list) ---------------------------------------------------------------
+
+
+def certificate_info(path: Path) -> dict[str, object]:
+    """Identity, serial, hosts and validity of the certificate at ``path``, for ``ftctl certs list``."""
+    cert = load_certs(path, "certificate")[0]
+    found = cert_identity(cert)
+    return {"path": str(path), "identity": str(found) if found else None, "serial": f"{cert.serial_number:x}",
+            "hosts": cert_hosts(cert), "not_after": cert.not_valid_after_utc.isoformat(),
+            "expired": cert.not_valid_after_utc <= utc_now()}
+
+
+def serial_of(cert_pem: bytes) -> int:
+    """The serial number of a PEM certificate (what tests and ``ftctl certs list`` compare)."""
+    return x509.load_pem_x509_certificate(cert_pem).serial_number
