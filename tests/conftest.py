@@ -1,5 +1,5 @@
-"""Fixtures of tests/: a whole local cluster as real processes, and a fake cloud metadata server and a hung
-port for the preemption tests (etcd fixtures: ../conftest.py)."""
+"""Fixtures of tests/: a whole local cluster as real processes, moto's S3 server per module, and a fake
+cloud metadata server and a hung port for the preemption tests (etcd fixtures: ../conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from cloud_metadata import FakeMetadata
+from storage_fixtures import MotoServer
 
 from ftd.ftctl.localcluster import ClusterFile, stop, up
 
@@ -45,3 +46,13 @@ def silent_port() -> Iterator[int]:
         yield int(s.getsockname()[1])
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """moto's standalone S3 server for one test module (a module may define its own ``moto``)."""
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()

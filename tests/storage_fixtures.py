@@ -1,11 +1,13 @@
 """Test helpers for the storage tiers: moto's standalone S3 server as a real HTTP endpoint on a free
 loopback port (boto3 talks to it over a socket, as to a real store), a proxy in front of it that
-checks request regions as AWS does, and a small tmpfs for disk-full tests."""
+checks request regions as AWS does, a small tmpfs for disk-full tests, and the blobs, sizes and S3
+backends the storage tests share."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import random
 import re
 import shutil
 import socket
@@ -21,7 +23,7 @@ from typing import Any
 import boto3
 
 from ftd.ftctl.etcd_server import free_port
-from ftd.storage_backends.s3 import make_client
+from ftd.storage_backends.s3 import S3Backend, make_client
 from ftd.waiting import wait_for
 
 
@@ -166,3 +168,31 @@ def small_tmpfs(mountpoint: Path, size: str = "2m") -> Iterator[Path]:
         yield mountpoint
     finally:
         subprocess.run(["umount", str(mountpoint)], capture_output=True, timeout=30)
+
+
+# ---- shared by the storage tests ----------------------------------------------------------------
+
+MiB = 1 << 20
+PART = 5 * MiB  # the S3 tier's part size here: S3's minimum, so 13-28 MiB objects are multipart
+MARKER = "SHARD.json"
+
+
+class Interrupt(Exception):
+    """Raised by a progress callback to cut a transfer short."""
+
+
+def blob(size: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def s3_backend(moto: MotoServer, tmp_path: Path, **kw: Any) -> S3Backend:
+    return S3Backend(moto.new_bucket(), prefix="tier", endpoint_url=moto.endpoint, part_size=PART,
+                     state_dir=tmp_path / "uploads", client=moto.client(), **kw)
+
+
+def count_sends(backend: S3Backend) -> list[str]:
+    """The HTTP requests the backend's client sends, as 'METHOD url'."""
+    sent: list[str] = []
+    backend.client.meta.events.register("before-send.s3", lambda request, **_: sent.append(
+        f"{request.method} {request.url}"))
+    return sent

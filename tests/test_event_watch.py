@@ -1,42 +1,26 @@
 """Following the event log from a sequence number (``ListEvents`` with ``after_seq``, what ``ftctl drill``
-watches instead of polling the node list): oldest first, in pages, on the in-memory store and on a real
-etcd; answered without etcd when nothing is newer; and the client's ``events_after`` over gRPC."""
+watches instead of polling the node list): the event log pages a watcher and is answered without etcd when
+nothing is newer; the client's ``events_after`` over gRPC. The stores' ``list_events(after_seq=...)`` is
+part of the store contract (test_store_contract.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ftd.client import CoordinatorClient
 from ftd.coordinator import errors
-from ftd.coordinator.etcd_store import EtcdStore
 from ftd.coordinator.event_log import EventLog
 from ftd.coordinator.metrics import CoordinatorMetrics
 from ftd.coordinator.model import Event
 from ftd.coordinator.store import Guard, MemoryStore, StateStore
 from ftd.coordinator.store_calls import StoreCalls
-from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import stop, up
 from ftd.v1 import coordinator_pb2
 
 NOW = 1_800_000_000.0
-
-
-@pytest.fixture(params=["memory", pytest.param("etcd", marks=pytest.mark.etcd)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    cluster = EtcdCluster(tmp_path / "etcd", size=1, fast=True).start()
-    s = EtcdStore(cluster.endpoints, cluster="watch")
-    try:
-        yield s
-    finally:
-        s.close()
-        cluster.stop()
 
 
 def fill(store: StateStore, n: int) -> None:
@@ -44,14 +28,6 @@ def fill(store: StateStore, n: int) -> None:
     assert lease is not None
     store.commit(Guard(lease.leader), events=[Event(seq=i, at_unix_s=float(i), kind="k", message=f"m{i}")
                                               for i in range(1, n + 1)])
-
-
-def test_events_after_a_sequence_number_come_oldest_first(store: StateStore) -> None:
-    fill(store, 7)
-    assert [e.seq for e in store.list_events(3, after_seq=0)] == [1, 2, 3]
-    assert [e.seq for e in store.list_events(3, after_seq=5)] == [6, 7]
-    assert store.list_events(3, after_seq=7) == []
-    assert [e.seq for e in store.list_events(3)] == [7, 6, 5], "without after_seq: the newest, newest first"
 
 
 class Unreadable(MemoryStore):

@@ -336,3 +336,14 @@ async def full_etcd_scenario(endpoint: str) -> None:
     finally:
         await ctl.stop()
         store.close()
+
+
+def test_events_after_a_sequence_number_come_oldest_first(store: StateStore) -> None:
+    lease = store.campaign("a", "127.0.0.1:1", ttl_s=5, now_unix=1_800_000_000.0)
+    assert lease is not None
+    store.commit(Guard(lease.leader), events=[Event(seq=i, at_unix_s=float(i), kind="k", message=f"m{i}")
+                                              for i in range(1, 8)])
+    assert [e.seq for e in store.list_events(3, after_seq=0)] == [1, 2, 3]
+    assert [e.seq for e in store.list_events(3, after_seq=5)] == [6, 7]
+    assert store.list_events(3, after_seq=7) == []
+    assert [e.seq for e in store.list_events(3)] == [7, 6, 5], "without after_seq: the newest, newest first"
