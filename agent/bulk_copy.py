@@ -23,7 +23,13 @@ speed. So the holder's agent offers the copy (the ``OpenShard`` RPC, over mTLS, 
   tenth of its time): a copy corrupt at rest fails the receiver's check, and the caller's fallback,
   the ``ReadShard`` stream, checks the holder's copy there and has the holder record it corrupt.
 
-Any failure here is a :class:`BulkError`; the caller falls back to the ``ReadShard`` stream.
+Replication uses the same offers the other way round: the holder announces a memory snapshot to
+its buddy with ``PullReplica`` (the offer in the mTLS call) and the buddy receives it
+(:mod:`.replica_intake`); an offer nobody took is withdrawn, and ``pace`` lets the replicator's
+bandwidth cap hold on this path too.
+
+Any failure here is a :class:`BulkError`; the caller falls back to the gRPC stream (``ReadShard``,
+``WriteShard``).
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ class Offer:
     key: bytes
     files: tuple[OfferedFile, ...]
     expires: float
+    pace: Callable[[int], None] | None = None  # called before each record with its size (a rate cap)
 
 
 def shard_files(backend: StorageBackend, job: str, step: int, rank: int) -> list[OfferedFile]:
@@ -142,17 +149,23 @@ class BulkServer:
         self._sock: socket.socket | None = None
         self._closed = False
 
-    def offer(self, files: Sequence[OfferedFile]) -> tuple[int, Offer]:
-        """Registers one copy; returns the port and the offer (its transfer id and key for the answer)."""
+    def offer(self, files: Sequence[OfferedFile], pace: Callable[[int], None] | None = None) -> tuple[int, Offer]:
+        """Registers one copy; returns the port and the offer (its transfer id and key for the answer).
+        ``pace`` is called before each record is sent, with its size (a bandwidth cap sleeps there)."""
         port = self._listen()
         now = self.clock()
         offer = Offer(secrets.token_bytes(_ID_BYTES), AESGCM.generate_key(bit_length=128), tuple(files),
-                      now + OFFER_TTL_S)
+                      now + OFFER_TTL_S, pace)
         with self._lock:
             for tid in [t for t, o in self._offers.items() if o.expires < now]:
                 del self._offers[tid]
             self._offers[offer.transfer] = offer
         return port, offer
+
+    def withdraw(self, transfer: bytes) -> None:
+        """Forgets an offer nobody took (a copy already in flight goes on)."""
+        with self._lock:
+            self._offers.pop(transfer, None)
 
     def _listen(self) -> int:
         with self._lock:
@@ -208,6 +221,8 @@ def _send(conn: socket.socket, offer: Offer, chunk: int) -> None:
             if len(data) != f.size:
                 raise BulkError(f"{f.path}: {len(data)} bytes, not the {f.size} offered")
             for record, length in _records(f.size, chunk):
+                if offer.pace is not None:
+                    offer.pace(length)
                 with data[record * chunk:record * chunk + length] as piece:
                     sealer = Cipher(algorithms.AES(offer.key), modes.GCM(_nonce(index, record))).encryptor()
                     sealer.authenticate_additional_data(offer.transfer)

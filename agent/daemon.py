@@ -118,9 +118,11 @@ class AgentDaemon:
         self.peers = PeerFetcher(self._agent_of, self.peer_channel, spool / ".peer-copies", fast=self.bulk is not None,
                                  landing=self.landing)
         # Memory snapshots: pushed to the buddy (agent.replicator), a buddy's received (Agent.WriteShard).
+        # Memory snapshots go over the bulk port when both ends serve it (PullReplica), else WriteShard.
         self.replicator = Replicator(
             self.tiering.mem, self.node_id, self._buddy, self.peer_channel, self._catalog_call,
             ReplicationMetrics(self.metrics.registry), bandwidth_bytes_s=settings.replication_bandwidth_mb_s * 1e6,
+            bulk=self.bulk, node_agent=self._agent_of,
         ) if self.tiering.mem is not None else None
 
     def _agent_of(self, node_id: str) -> str:
@@ -221,6 +223,8 @@ class AgentDaemon:
             if progress.reported_unix_s == 0:
                 progress.reported_unix_s = time.time()
             previous = self._progress.step
+            if not progress.HasField("restored") and self._progress.HasField("restored"):
+                progress.restored.CopyFrom(self._progress.restored)  # kept until a newer restore is reported
             self._progress = progress
         if progress.step > previous >= 0:
             self.metrics.training_steps.inc(progress.step - previous)
@@ -233,6 +237,19 @@ class AgentDaemon:
             self.metrics.observe_flops(progress.step, progress.reported_unix_s, progress.flops)
         if self.training is not None:
             self.training.on_progress(progress.step)
+
+    def report_restored(self, restored: cluster_pb2.Restored) -> None:
+        """What the training restored when its world started: carried in the progress (heartbeats,
+        ``GetInfo``) so that drills and the demo report what the new world resumed from."""
+        restored.source = restored.source[:300]
+        with self._progress_lock:
+            progress = cluster_pb2.Progress()
+            progress.CopyFrom(self._progress)
+            progress.restored.CopyFrom(restored)
+            self._progress = progress
+        log.info("rank %d restored %s (epoch %d, world size %d)", restored.rank,
+                 f"step {restored.step} from {restored.source}" if restored.step >= 0 else "nothing: a fresh start",
+                 restored.epoch, restored.world_size)
 
     def checkpoint_event(self, rank: int, event: agent_pb2.CheckpointEvent) -> None:
         """A rank's save started, finished or failed: stall and persist histograms, bytes, saves in flight."""
@@ -383,7 +400,7 @@ class AgentDaemon:
                 min_nodes=s.min_nodes, max_nodes=s.max_nodes, max_restarts=s.max_restarts,
                 coordinators=s.coordinators, node_id=self.node_id, host=s.effective_host, socket=sock,
                 log_path=s.workdir / "train.log", hang_timeout_s=s.hang_timeout_s,
-                hang_startup_grace_s=s.hang_startup_grace_s, pki_dir=s.pki_dir)
+                hang_startup_grace_s=s.hang_startup_grace_s, pki_dir=s.pki_dir, on_no_spare=s.on_no_spare)
             self.training = (WarmTrainingSupervisor(spec, self.supervisor, self.client, self._report_hang)
                              if s.launcher == "warm" else
                              TrainingSupervisor(spec, self.supervisor, self._report_hang, self._job_closed))

@@ -231,7 +231,7 @@ class Launcher:
                  monitor_s: float = 0.05, round_poll_s: float = 2.0, failure_settle_s: float = 0.5,
                  kill_wait_s: float = 10.0, rpc_deadline_s: float = 5.0, max_backoff_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 on_event: Callable[[LauncherEvent], None] | None = None) -> None:
+                 on_event: Callable[[LauncherEvent], None] | None = None, on_no_spare: str = "shrink") -> None:
         if pool.nproc != nproc:
             raise ValueError(f"the pool has {pool.nproc} local ranks, the launcher {nproc}")
         self.client = client
@@ -243,6 +243,7 @@ class Launcher:
         self.monitor_s, self.round_poll_s, self.failure_settle_s = monitor_s, round_poll_s, failure_settle_s
         self.kill_wait_s, self.rpc_deadline_s, self.max_backoff_s = kill_wait_s, rpc_deadline_s, max_backoff_s
         self.clock, self.wall, self.on_event = clock, wall, on_event
+        self.on_no_spare = on_no_spare  # the job's setting, sent with every JoinRound (coordinator.rendezvous)
 
         self.state = State.JOIN
         self.reason = "not joined yet"
@@ -423,7 +424,7 @@ class Launcher:
     def _join(self, now: float) -> float:
         info = self._rpc("JoinRound", coordinator_pb2.JoinRoundRequest(
             job=self.job, node_id=self.node_id, last_round=self.last_round, min_nodes=self.min_nodes,
-            max_nodes=self.max_nodes, max_restarts=self.max_restarts), idempotent=False)
+            max_nodes=self.max_nodes, max_restarts=self.max_restarts, on_no_spare=self.on_no_spare), idempotent=False)
         if info is None:
             return self._backoff(now)
         r = RoundView.of(info)

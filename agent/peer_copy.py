@@ -9,7 +9,9 @@ and checked by the receiver while writing; the catalog's checksums are checked o
 The receiver writes through :func:`ftd.checkpoints.copy.copy_shard` (whichever transport: the gRPC
 stream, :class:`ChunkSource`, or the fast path of :mod:`.bulk_copy`), so a pulled copy lands in the
 spool laid out as on any tier (``<spool>/<job>/step-…/rank-…/``) and appears only once complete and
-checked; a buddy's pushed replica (:mod:`.replicator`) arrives the same way.
+checked; a buddy's replica (:mod:`.replica_intake`: pulled over the holder's bulk port through
+:class:`BulkSource`, or pushed on the ``WriteShard`` stream through :class:`ChunkSource`) arrives
+the same way.
 
 Failures keep their meaning, because restore depends on it (:mod:`.errors` holds the classes and
 the status codes they travel as): a peer that cannot be reached is :class:`PeerUnreachable` (the
@@ -52,7 +54,7 @@ from ftd.v1 import agent_pb2
 
 from . import bulk_copy
 from .errors import AgentError, CopyCorrupt, CopyMissing, PeerCopyError, PeerUnreachable, peer_error
-from .landing import LandingReserve
+from .landing import LandingReserve, Slot
 
 log = logging.getLogger("ftd.agent.peer_copy")
 
@@ -220,13 +222,13 @@ def fetch_shard(read_shard: Callable[[agent_pb2.ReadShardRequest], Iterable[agen
     return Fetched(spool.folder_path(prefix), nbytes, time.perf_counter() - started)
 
 
-class _BulkSource:
+class BulkSource:
     """The fast path's files (:func:`.bulk_copy.receive`: every file's CRC32C checked as it lands,
     against ``expected`` or else the holder's manifest) landed straight into the staging's
     directory, so that a prepared slot of the landing reserve is renamed into place, not copied."""
 
     def __init__(self, host: str, offer: agent_pb2.OpenShardResponse, expected: Mapping[str, tuple[int, str]] | None,
-                 timeout_s: float, landing: LandingReserve | None) -> None:
+                 timeout_s: float, landing: Callable[[str, int], Slot | None] | None) -> None:
         self.host, self.offer, self.expected, self.timeout_s, self.landing = host, offer, expected, timeout_s, landing
         self.where = f"{host}:{offer.port}"
         self.bytes = 0
@@ -237,7 +239,7 @@ class _BulkSource:
         files = [(f.name, f.size, f.crc32c) for f in self.offer.files]
         self.bytes = bulk_copy.receive(self.host, self.offer.port, self.offer.transfer, self.offer.key, files,
                                        self._dir, self.expected, self.offer.chunk_bytes or bulk_copy.CHUNK_BYTES,
-                                       self.timeout_s, self.landing.take if self.landing is not None else None)
+                                       self.timeout_s, self.landing)
         for name, size, holder_crc in files:
             if name != MANIFEST:
                 checked = (self.expected or {}).get(name, (size, holder_crc))[1] or holder_crc
@@ -314,7 +316,8 @@ class PeerFetcher:
                 raise err from exc
             raise bulk_copy.BulkError(describe(exc)) from exc  # e.g. UNIMPLEMENTED: an older holder
         prefix = shard_prefix(read.job, read.step, read.rank)
-        source = _BulkSource(parse_hostport(address)[0], offer, expected, self.timeout_s, self.landing)
+        source = BulkSource(parse_hostport(address)[0], offer, expected, self.timeout_s,
+                            self.landing.take if self.landing is not None else None)
         try:
             copy_shard(source, self.copies, prefix, expected, says="the catalog")
         except CopyMismatch as exc:  # checked by the receive already: only a bug gets here

@@ -85,7 +85,10 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             kind = request.checkpoint_error_kind or "error"
             self.daemon.metrics.save_failures.labels(kind if kind in FAILURE_KINDS else "other").inc()
             log.error("checkpoint save failed on rank %d (%s): %s", request.rank, kind, request.checkpoint_error[:500])
-        if not request.HasField("progress") and (request.checkpoint_error or request.HasField("checkpoint")):
+        if request.HasField("restored"):
+            self.daemon.report_restored(request.restored)
+        if not request.HasField("progress") and (request.checkpoint_error or request.HasField("checkpoint")
+                                                 or request.HasField("restored")):
             return self._progress_answer()
         if not request.HasField("progress"):
             raise errors.BadRequest("progress: is required")
@@ -152,6 +155,18 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             raise errors.NodeCannot(f"node {self.daemon.node_id} has no memory tier")
         try:
             return self.daemon.replicator.receive(request_iterator)
+        except (StorageError, OSError) as exc:
+            raise errors.TierUnavailable(f"memory tier of node {self.daemon.node_id}: {exc}") from exc
+
+    @answers
+    def PullReplica(self, request: agent_pb2.PullReplicaRequest,
+                    context: grpc.ServicerContext) -> agent_pb2.WriteShardResponse:
+        """A buddy's memory snapshot pulled over its bulk port into this node's memory tier
+        (agent.replica_intake.receive_pulled); UNIMPLEMENTED: the buddy pushes it with WriteShard."""
+        if self.daemon.replicator is None:
+            raise errors.NodeCannot(f"node {self.daemon.node_id} has no memory tier")
+        try:
+            return self.daemon.replicator.receive_pull(request, context.peer() or "")
         except (StorageError, OSError) as exc:
             raise errors.TierUnavailable(f"memory tier of node {self.daemon.node_id}: {exc}") from exc
 

@@ -62,8 +62,10 @@ class AgentSettings:
     landing_reserve_mb: int = setting(-1, "room prepared in the memory tier for the copies a restore pulls from peers "
                                           "(ftd.agent.landing); -1: auto (on a spare, a node's share of the newest "
                                           "step held in memory), 0: none, N: one slot of N MiB on any node", "MiB")
-    train_cmd: str = setting("", "training script and its arguments, run under torchrun with the ftd rendezvous "
-                                 "while the node holds a rank (empty: the agent launches no training)")
+    train_cmd: str = setting("", "training script and its arguments in torchrun's form (SCRIPT ARGS or -m MODULE "
+                                 "ARGS), nproc_per_node ranks of it while the node holds a rank: by the launcher's "
+                                 "standby workers, which run the job's prepare() ahead (docs/training.md), or under "
+                                 "torchrun (empty: the agent launches no training)")
     launcher: str = setting("warm", "how training processes start: warm (standby workers with torch imported, "
                                     "started by the agent: a membership change costs no new interpreter) or "
                                     "torchrun (torchrun --rdzv-backend=ftd)")
@@ -72,6 +74,9 @@ class AgentSettings:
     min_nodes: int = setting(1, "the job runs only with at least this many nodes (torchrun --nnodes MIN)", "nodes")
     max_nodes: int = setting(1024, "torchrun --nnodes MAX", "nodes")
     max_restarts: int = setting(10, "restart budget of the whole job, counted by the coordinator", "restarts")
+    on_no_spare: str = setting("shrink", "a node lost and no spare to take its rank: shrink (the job goes on with "
+                                         "the smaller world, restoring the newest step resharded) or wait (it waits "
+                                         "for a spare or a returning node; ftctl status says why)")
     hang_timeout_s: float = setting(120.0, "no training step for this long: a hang (0: off)", "s")
     hang_startup_grace_s: float = setting(600.0, "allowance for the first step after a (re)start", "s")
     heartbeat_interval_s: float = setting(0.5, "period of heartbeats to the coordinator", "s")
@@ -129,6 +134,8 @@ class AgentSettings:
         require(1 <= self.min_nodes <= self.max_nodes, "min_nodes",
                 f"must be in [1, max_nodes={self.max_nodes}], got {self.min_nodes}")
         require(self.max_restarts >= 0, "max_restarts", f"must be >= 0 (got {self.max_restarts})")
+        require(self.on_no_spare in ("shrink", "wait"), "on_no_spare",
+                f"must be shrink or wait, got {self.on_no_spare!r}")
         require(self.hang_timeout_s >= 0, "hang_timeout_s", f"must be >= 0 (got {self.hang_timeout_s})")
         require(bool(self.train_job) and "/" not in self.train_job and ".." not in self.train_job, "train_job",
                 f"{self.train_job!r} is not a job id")

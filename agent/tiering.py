@@ -252,8 +252,9 @@ class Tiering:
         self.stats.pending[tier.name] = len(todo)
         newest_local = max((s for (_, s, _) in local), default=0)
         for ident, manifest in sorted(todo, key=lambda t: -t[0][1]) if copy else []:  # newest first
+            shard = catalog[(ident[0], ident[1])].shards[ident[2]]
             try:
-                self._copy(self.ssd, tier, manifest)
+                self._copy(self.ssd, tier, manifest, fresh=CopyRef(tier.name, tier.location).key in shard.bad)
                 self._down.pop(tier.name, None)
             except StorageUnavailable as exc:
                 self._mark_down(tier, exc)
@@ -272,8 +273,14 @@ class Tiering:
         on_tier = [s for (j, s, r) in local if (rec := catalog.get((j, s))) and self._has_copy(rec, r, tier)]
         self.stats.lag_steps[tier.name] = newest_local - max(on_tier, default=newest_local if not local else 0)
 
-    def _copy(self, src: Tier, dst: Tier, manifest: ShardManifest) -> None:
+    def _copy(self, src: Tier, dst: Tier, manifest: ShardManifest, fresh: bool = False) -> None:
+        """``fresh``: the catalog records the copy on ``dst`` as corrupt. Its folder is deleted first:
+        a published folder with the same manifest would otherwise count as copied and be recorded
+        present again, making a proven-corrupt copy restorable again."""
         prefix = shard_prefix(manifest.job, manifest.step, manifest.rank)
+        if fresh:
+            log.warning("the copy of %s on %s is recorded corrupt: replacing it", prefix, dst.name)
+            dst.backend.delete_prefix(prefix, marker_name=MANIFEST)
         move = Migration(manifest.job, manifest.step, manifest.rank, dst.name, 0, manifest.total_bytes)
         self.current = move
 

@@ -49,6 +49,7 @@ class TrainSpec:
     hang_timeout_s: float
     hang_startup_grace_s: float
     pki_dir: Path | None = None  # mTLS: handed to torchrun as FTD_PKI_DIR
+    on_no_spare: str = "shrink"  # the job's setting, sent with every JoinRound (coordinator.rendezvous)
 
     def argv(self) -> list[str]:
         return [
@@ -57,7 +58,7 @@ class TrainSpec:
             f"--nnodes={self.min_nodes}:{self.max_nodes}", f"--nproc-per-node={self.nproc_per_node}",
             "--max-restarts=1000000",  # the budget that counts is the job's, in the coordinator
             "--monitor-interval=0.1", f"--local-addr={self.host}",
-            f"--rdzv-conf=max_restarts={self.max_restarts},node_id={self.node_id}",
+            f"--rdzv-conf=max_restarts={self.max_restarts},node_id={self.node_id},on_no_spare={self.on_no_spare}",
             *self.cmd,
         ]
 

@@ -1,11 +1,14 @@
 """Warm standby workers for the agent's launcher: torch is imported before a round needs it.
 
 A :class:`WarmPool` keeps one standby process per local rank (``python -m ftd.training.warm_worker``:
-torch and the job's module imported, waiting on a pipe). :meth:`WarmPool.activate` hands each standby
-its assignment (the round's environment) and returns the processes as the node's running workers, in
-milliseconds; a standby still importing picks its assignment up the moment it is ready. Right after,
-the next standby set is started in the background (``SCHED_IDLE`` while it imports, so it takes only
-CPU time the training leaves), so the next failure finds warm standbys too.
+torch and the job's module imported, the job's ``prepare()`` run when it has one, waiting on a pipe).
+:meth:`WarmPool.activate` hands each standby its assignment (the round's environment) and returns the
+processes as the node's running workers, in milliseconds; a standby still importing or preparing
+picks its assignment up the moment it is ready. Right after, the next standby set is started in the
+background (``SCHED_IDLE`` while it imports and prepares, so it takes only CPU time the training
+leaves), so the next failure finds warm standbys too. A standby whose ``prepare()`` raised is logged
+here (:attr:`WarmPool.prepare_failures`) and still serves: its job builds everything after the
+assignment.
 
 The agent process itself never imports torch: this module is the standard library only (a test
 checks), and the pipe protocol is :mod:`ftd.training.warm_worker`'s.
@@ -154,6 +157,7 @@ class Standby:
     ready_at: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    prepare_error: str = ""  # the job's prepare() raised (the standby still serves, unprepared)
     assigned_at: float | None = None
     _buf: bytes = b""
 
@@ -198,6 +202,8 @@ class Standby:
                 self.ready_at, self.info = now, record
             elif record.get("event") == "error":
                 self.error = str(record.get("message", ""))
+            elif record.get("event") == "prepare_failed":
+                self.prepare_error = str(record.get("message", "")) or "prepare() failed"
 
     def close_pipes(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
@@ -215,6 +221,8 @@ class Readiness:
     background: bool
     spawn_to_ready_s: float  # as the pool saw it (it reads the pipes when tended: an upper bound)
     startup_s: float  # as the standby measured it: process start to ready
+    prepare_s: float | None = None  # the job's prepare() (None: the job has none), part of startup_s
+    prepared: bool = False  # the standby holds a prepared context for the job's main
 
 
 class WarmPool:
@@ -245,6 +253,7 @@ class WarmPool:
         self.activations = 0
         self.cold_activations = 0  # ranks activated with no live standby (a cold start)
         self.failed_starts = 0  # standbys that exited before they were ready
+        self.prepare_failures = 0  # standbys whose job prepare() raised (they serve unprepared)
         self._lock = threading.RLock()
         self._closed = False
         self._refill: threading.Thread | None = None
@@ -264,7 +273,7 @@ class WarmPool:
             env[ENV_BACKGROUND] = "1"
         if self.nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers per node
-        path = Path(str(self.log_path).replace("{local_rank}", str(local_rank)))
+        path = self._log_of(local_rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         argv = list(self.argv_for_local_rank(local_rank))
         with open(path, "ab") as out:
@@ -278,6 +287,9 @@ class WarmPool:
         log.info("started standby worker pid %d for local rank %d%s", proc.pid, local_rank,
                  " (background)" if background else "")
         return standby
+
+    def _log_of(self, local_rank: int) -> Path:
+        return Path(str(self.log_path).replace("{local_rank}", str(local_rank)))
 
     def _fill(self, background: bool) -> None:
         with self._lock:
@@ -310,9 +322,16 @@ class WarmPool:
             standby.pump(now)
             if standby.ready and not was_ready:
                 self._failures[local_rank] = 0
+                prepare_s = standby.info.get("prepare_s")
                 self.readiness.append(Readiness(local_rank, standby.pid, standby.background,
                                                 round(now - standby.spawned_at, 4),
-                                                float(standby.info.get("startup_s") or 0.0)))
+                                                float(standby.info.get("startup_s") or 0.0),
+                                                None if prepare_s is None else float(prepare_s),
+                                                bool(standby.info.get("prepared"))))
+                if standby.prepare_error:
+                    self.prepare_failures += 1
+                    log.warning("standby worker pid %d (local rank %d): %s (traceback in %s)", standby.pid,
+                                local_rank, standby.prepare_error, self._log_of(local_rank))
             if not standby.alive():
                 code = standby.proc.returncode
                 self._failures[local_rank] += 0 if standby.ready else 1

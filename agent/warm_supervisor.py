@@ -32,7 +32,7 @@ class WarmTrainingSupervisor(TrainingSupervisor):
         self.pool = WarmPool(lambda local_rank: standby_argv(entry, args), spec.nproc_per_node, spec.env(),
                              spec.log_path)
         self.launcher = Launcher(client, spec.job, spec.node_id, spec.host, spec.nproc_per_node, spec.min_nodes,
-                                 spec.max_nodes, spec.max_restarts, self.pool)
+                                 spec.max_nodes, spec.max_restarts, self.pool, on_no_spare=spec.on_no_spare)
         self._started = False
         self._running_since: float | None = None
 

@@ -17,14 +17,20 @@ The memory tier (``--memory-only`` for just these): a second cluster whose node 
 tmpfs (``--mem-dir``, default /dev/shm) with node-0 (rack r0), node-1 (r1) and a spare. Per round:
 a memory snapshot on node-0 (``mem_snapshot_blocked_s``: the training loop's stall;
 ``mem_write_commit_s``: torch.save into the memory tier, CRC32C, publish, commit), its replication to
-node-1 (``mem_replication_s``/``_gbps``: from the commit until node-1 recorded its copy, polled), raw
+node-1 (``mem_replication_s``/``_gbps``: from the commit until node-1 recorded its copy, polled;
+node-1 pulls it over node-0's bulk port, ``mem_replication_bulk_share`` 1 when it did), raw
 loopback TCP of the same bytes (``tcp_loopback_gbps``: a plain socket into a buffer touched
 beforehand; ``tcp_loopback_fresh_gbps``: into memory mapped as the bytes come), and a restore by the
 spare, which holds no copy, from node-0's memory (``mem_restore_peer_s``/``_gbps``: catalog, the
 agent's pull over the fast peer copy path, load; ``mem_restore_peer_vs_tcp``: the ratio per round,
 median). Like the pre-touched TCP buffer, the spare's agent prepares the room its pull lands in
 ahead (its landing reserve, ``ftd.agent.landing``); each restore is timed once that room is ready,
-and ``mem_restore_peer_landed_in_reserve`` counts the files that landed in it.
+and ``mem_restore_peer_landed_in_reserve`` counts the files that landed in it. Then the step-time
+overhead of a memory snapshot every step (``bench/_memory.py``, ``step_overhead``): a ``--step-s``
+(1 s) step of single-threaded compute on a ``--overhead-mib`` (256 MiB) state, without and with
+snapshots in interleaved phases of the same run: ``mem_step_without_s``, ``mem_step_with_s``,
+``mem_step_overhead`` (their medians' ratio minus one), ``mem_save_stall_s`` and
+``mem_save_stall_max_vs_median`` (every stall after the first against their median).
 
 Both are CPU-bound on a small box, so the CPU seconds they take are reported next to them
 (``tcp_loopback_cpu_s``: both ends of the raw copy; ``mem_restore_peer_cpu_s``: the holder's agent,
@@ -38,21 +44,19 @@ CPU seconds, not by the network.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from _memory import make_state, memory_figures, touch
 
 from _common import emit
 
@@ -67,27 +71,6 @@ def evict(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def make_state(size_bytes: int) -> dict[str, Any]:
-    n = size_bytes // 4 // 3  # float32 params + exp_avg + exp_avg_sq
-    chunk = 16 << 20
-    params = {f"layer{i}.weight": torch.randn(min(chunk, n - i * chunk)) for i in range((n + chunk - 1) // chunk)}
-    adam = {k: {"step": torch.tensor(100.0), "exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
-            for k, v in params.items()}
-    optim = {"state": adam, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999)}]}
-    return {"model": params, "optim": optim, "step": 100}
-
-
-def touch(obj: Any) -> float:
-    """Reads every byte of every tensor (a restore is only done when the data is in memory)."""
-    if isinstance(obj, torch.Tensor):
-        return float(obj.float().sum()) if obj.numel() else 0.0
-    if isinstance(obj, dict):
-        return sum(touch(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(touch(v) for v in obj)
-    return 0.0
 
 
 def timed(fn: Any) -> float:
@@ -166,6 +149,10 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory tier's figures")
     ap.add_argument("--mem-dir", type=Path, default=Path("/dev/shm"),
                     help="a tmpfs where the memory tier's cluster runs (its nodes' memory tiers)")
+    ap.add_argument("--no-overhead", action="store_true", help="skip the step-time overhead of snapshots")
+    ap.add_argument("--step-s", type=float, default=1.0, help="the simulated training step (compute, one core)")
+    ap.add_argument("--overhead-mib", type=int, default=256, help="the state per rank for the step-time overhead")
+    ap.add_argument("--overhead-steps", type=int, default=8, help="steps per phase (without, with snapshots)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -206,6 +193,13 @@ def main() -> None:
         out["mem_replication_vs_tcp"] = statistics.median(
             r / t for r, t in zip(rounds["mem_replication_gbps"], rounds["tcp_loopback_gbps"], strict=True))
         targets["restore_peer_memory>=70%tcp"] = out["mem_restore_peer_vs_tcp"] >= 0.7
+        targets["replication>=1GB/s_or_50%tcp"] = out["mem_replication_gbps"] >= 1.0 or \
+            out["mem_replication_vs_tcp"] >= 0.5
+        if "mem_step_with_s" in rounds:
+            out["mem_step_overhead"] = out["mem_step_with_s"] / out["mem_step_without_s"] - 1
+            out["mem_save_stall_max_vs_median"] = max(rounds["mem_save_stall_s"]) / out["mem_save_stall_s"]
+            targets["step_overhead<=10%"] = out["mem_step_overhead"] <= 0.10
+            targets["save_stall_max<=2x_median"] = out["mem_save_stall_max_vs_median"] <= 2.0
     out["targets_met"] = targets
     out["spread"] = {k: [round(x, 3) for x in v] for k, v in rounds.items()}
     emit(out, args.json)
@@ -281,152 +275,6 @@ def disk_figures(args: argparse.Namespace, state: dict[str, Any], size_bytes: in
         if moto is not None:
             moto.kill()
             moto.wait()
-        shutil.rmtree(work, ignore_errors=True)
-
-
-# ---- the memory tier -------------------------------------------------------------------------------------
-
-_TCP_SENDER = """
-import socket, sys, time
-data = memoryview(open(sys.argv[1], "rb").read())
-with socket.create_connection(("127.0.0.1", int(sys.argv[2]))) as s:
-    cpu = time.process_time()
-    for i in range(0, len(data), 1 << 20):
-        s.sendall(data[i:i + (1 << 20)])
-print(time.process_time() - cpu)
-"""
-
-
-def tcp_loopback_gbps(path: Path, fresh: bool = False) -> tuple[float, float]:
-    """Raw loopback TCP of the same bytes: another process sends the file's bytes (read into its memory
-    first, untimed) over a plain socket; this one receives them, from accept to the last byte, into a
-    buffer allocated and touched beforehand (the network's ceiling) or, ``fresh``, into memory mapped
-    when the bytes come (what any restore pays: its bytes land in memory it did not hold before).
-    Returns (GB/s, CPU seconds both ends spent moving the bytes)."""
-    size = path.stat().st_size
-    buf: Any = None if fresh else bytearray(size)
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(1)
-        sender = subprocess.Popen([sys.executable, "-c", _TCP_SENDER, str(path), str(srv.getsockname()[1])],
-                                  stdout=subprocess.PIPE)
-        conn, _ = srv.accept()
-        started, cpu = time.perf_counter(), time.process_time()
-        if buf is None:
-            buf = mmap.mmap(-1, size)
-        view = memoryview(buf)
-        got = 0
-        with conn:
-            while got < size:
-                n = conn.recv_into(view[got:got + (1 << 20)])
-                if not n:
-                    break
-                got += n
-        took, cpu = time.perf_counter() - started, time.process_time() - cpu
-        view.release()
-    out, _ = sender.communicate()
-    assert got == size, f"received {got} of {size} bytes"
-    return size / took / 1e9, cpu + float(out or 0)
-
-
-def _cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used so far (0 = this one)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        if pid == 0:
-            t = os.times()
-            total += t.user + t.system
-            continue
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
-
-
-def memory_figures(args: argparse.Namespace, state: dict[str, Any], record: Callable[[str, float], None]) -> None:
-    """The memory tier on a cluster whose node directories are on tmpfs: node-0 (rack r0) snapshots,
-    its agent replicates to node-1 (r1); the spare node-2, holding no copy, restores from a peer's
-    memory (FetchShard: its agent pulls the copy over gRPC with mTLS); raw loopback TCP of the same
-    bytes in the same rounds."""
-    from ftd.ftctl.localcluster import stop, up
-    from ftd.training import Checkpointer
-    from ftd.training.cadence import CadencePolicy
-    from ftd.v1 import checkpoint_pb2
-    from ftd.waiting import wait_for
-
-    work = Path(tempfile.mkdtemp(prefix="ftd-bench-mem-", dir=args.mem_dir))
-    cluster = up(work / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False,
-                 extra_agent_args=["--tiering-interval-s", "5"])
-    client = cluster.client()
-    sockets = {a.name: a.info["socket"] for a in cluster.agents}
-    mem0 = Path(next(a for a in cluster.agents if a.name == "node-0").info["workdir"]) / "mem"
-    busy = [0, *(a.pid for a in cluster.agents if a.name in ("node-0", "node-2"))]
-
-    metrics_url = f"http://{next(a for a in cluster.agents if a.name == 'node-2').info['metrics']}/metrics"
-
-    def metric(name: str) -> float:
-        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-    def landing_ready() -> float:
-        return metric("ftd_agent_landing_reserve_bytes")
-
-    def landing_used() -> float:
-        return metric("ftd_agent_landing_slots_used_total")
-
-    def copies(step: int) -> set[str]:
-        infos = client.call("ListCheckpoints", checkpoint_pb2.ListCheckpointsRequest(job="bench-mem"),
-                            idempotent=True).checkpoints
-        info = next((i for i in infos if i.step == step), None)
-        return {f"{c.tier}@{c.location}" for s in (info.shards if info else []) for c in s.copies}
-
-    try:
-        ck = Checkpointer("bench-mem", rank=0, world_size=1, agent_socket=sockets["node-0"],
-                          install_signal_handlers=False, cadence=CadencePolicy())
-        first = ck.save(1, state, memory=True, durable=False).result()  # maps the snapshot buffers
-        assert first.ok, first
-        wait_for(lambda: "mem@node-1" in copies(1), 300, "step 1 replicated", interval_s=0.05)
-        for r in range(args.repeat):
-            step = 2 + r
-            t = time.perf_counter()
-            result = ck.save(step, state, memory=True, durable=False).result()
-            assert result.ok, result
-            record("mem_snapshot_blocked_s", result.blocked_s)
-            record("mem_write_commit_s", result.persist_s)  # torch.save into tmpfs + CRC32C + publish + commit
-            wait_for(lambda: "mem@node-1" in copies(step), 300, f"step {step} replicated",  # noqa: B023
-                     interval_s=0.01)
-            replicated_s = time.perf_counter() - t - result.blocked_s - result.persist_s
-            record("mem_replication_s", replicated_s)  # from the commit to the buddy's record (polled)
-            record("mem_replication_gbps", result.bytes / replicated_s / 1e9)
-            shard = mem0 / "bench-mem" / f"step-{step:012d}" / "rank-00000" / "state.pt"
-            gbps, cpu = tcp_loopback_gbps(shard)
-            record("tcp_loopback_gbps", gbps)
-            record("tcp_loopback_cpu_s", cpu)
-            record("tcp_loopback_fresh_gbps", tcp_loopback_gbps(shard, fresh=True)[0])
-            # The spare prepares room for what it would pull (agent.landing), as the TCP baseline
-            # lands in a buffer touched beforehand: the restore is timed once that room is ready.
-            size = result.bytes
-            wait_for(lambda: landing_ready() >= size, 120, "the spare's landing reserve", interval_s=0.1)  # noqa: B023
-            used = landing_used()
-            spare = Checkpointer("bench-mem", rank=0, world_size=1, agent_socket=sockets["node-2"],
-                                 install_signal_handlers=False)
-            t, cpu = time.perf_counter(), _cpu_s(busy)
-            loaded = spare.load_latest()
-            took, cpu = time.perf_counter() - t, _cpu_s(busy) - cpu
-            assert loaded is not None and loaded[0] == step and "pulled" in spare.restored_from, spare.restored_from
-            record("mem_restore_peer_s", took)  # catalog + pull (gRPC, mTLS) + CRC32C check + load (mmap)
-            record("mem_restore_peer_gbps", result.bytes / took / 1e9)
-            record("mem_restore_peer_cpu_s", cpu)  # the holder's agent, the spare's agent, the restoring process
-            record("mem_restore_peer_landed_in_reserve", landing_used() - used)  # files received into prepared room
-            t = time.perf_counter()
-            touch(loaded[1])
-            record("mem_restore_peer_touch_s", time.perf_counter() - t)
-            del loaded
-            spare.close()
-        ck.close()
-    finally:
-        client.close()
-        stop(cluster)
         shutil.rmtree(work, ignore_errors=True)
 
 

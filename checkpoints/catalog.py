@@ -13,7 +13,10 @@ status strings or building copy keys itself.
 Rules (pure functions returning a reason, tested without I/O):
 
 * :func:`commit_shard` — admit one rank's shard, refusing anything that contradicts the step;
-* :func:`restore_target` — the newest restorable step (of the restoring job's world size);
+* :func:`restore_target` — the newest restorable step the restoring job can load: of its world size,
+  or of any world size for a job that reshards (``dcp``) or holds replicated state;
+* :func:`superseded_by` — the older epochs' steps a new timeline abandons: only those newer than the
+  step the new world restored;
 * :func:`invalidation_loses_last` — the last restorable step of a job is never invalidated;
 * :func:`rollback` — make a step the restore target by removing the newer steps from the catalog;
 * :func:`retention` — per tier: keep the newest ``keep`` restorable steps committed *there*, never
@@ -45,7 +48,8 @@ MEM_REPLICAS = 2  # in memory = on the rank's node and on its buddy
 MEM_KEEP = KEEP  # memory snapshots held per rank on one node: the newest and the one being written
 KV_PREFIX = "ckpt/"
 INVALID = "invalid: "  # how status() starts for an invalidated step; from_info() reads it back
-UNRESTORABLE = "unrestorable: "  # valid (every shard was committed) but no good copy of some rank is left
+UNRESTORABLE = "unrestorable: "  # valid (every shard was committed) but every copy of some rank was proven corrupt
+NO_COPY = "no copy left: "  # valid, but some rank's copies are all gone (superseded memory snapshots, deletions)
 
 
 class CopyRef(NamedTuple):
@@ -152,9 +156,15 @@ class CheckpointRecord:
             return f"{INVALID}{self.invalid_reason}"
         if not self.complete:
             return f"in progress: {len(self.shards)} of {self.world_size} shards committed"
-        lost = sorted(rank for rank, s in self.shards.items() if not s.good_copies())
-        if lost:
-            return f"{UNRESTORABLE}every copy of rank(s) {', '.join(map(str, lost))} was found corrupt"
+        # "Corrupt" only when a copy was proven so: a rank whose copies were merely pruned (a newer
+        # memory snapshot replaced them) or deleted has no copy left, and says that.
+        corrupt = sorted(rank for rank, s in self.shards.items() if s.copies and not s.good_copies())
+        if corrupt:
+            return f"{UNRESTORABLE}every copy of rank(s) {', '.join(map(str, corrupt))} was found corrupt"
+        gone = sorted(rank for rank, s in self.shards.items() if not s.copies)
+        if gone:
+            return (f"{NO_COPY}no copy of rank(s) {', '.join(map(str, gone))} is left (memory snapshots superseded "
+                    "or copies deleted)")
         return "valid"
 
 
@@ -207,14 +217,21 @@ def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier:
     return new, what
 
 
-def superseded_by(records: Iterable[CheckpointRecord], manifest: ShardManifest) -> list[CheckpointRecord]:
-    """The job's records that a shard of a newer epoch abandons: every step at or after the shard's
-    that was saved in an older epoch. A world change restarts every rank from one restore point, so a
-    step saved after it in the new epoch starts a new timeline; the old timeline's steps from there on
-    (committed before the failure, perhaps on a node that died) must neither block the new saves of
-    the same step numbers nor ever be restored into the new timeline (as a rollback removes them).
-    A shard of an *older* epoch supersedes nothing: :func:`commit_shard` refuses it."""
-    return sorted((r for r in records if r.job == manifest.job and r.step >= manifest.step
+def superseded_by(records: Iterable[CheckpointRecord], manifest: ShardManifest,
+                  restored_step: int | None = None) -> list[CheckpointRecord]:
+    """The job's records that a shard of a newer epoch abandons. A world change restarts every rank
+    from one restore point, so a step saved after it in the new epoch starts a new timeline; the old
+    timeline's steps after that point (committed before the failure, perhaps on a node that died)
+    must neither block the new saves of the same step numbers nor ever be restored into the new
+    timeline (as a rollback removes them).
+
+    ``restored_step``: the step the new world restored (-1: none); only the older epochs' steps
+    *newer* than it are abandoned, so the step it resumed from and everything older stays whatever
+    step number it saves. ``None`` (an older training side that does not say): the older epochs'
+    steps at or after the shard's. A shard of an *older* epoch supersedes nothing:
+    :func:`commit_shard` refuses it."""
+    floor = manifest.step if restored_step is None else restored_step + 1
+    return sorted((r for r in records if r.job == manifest.job and r.step >= floor
                    and r.epoch < manifest.epoch), key=lambda r: r.step)
 
 
@@ -268,17 +285,26 @@ def prune_memory(records: Iterable[CheckpointRecord], rank: int, location: str,
     return changed, removed
 
 
+def loadable(record: CheckpointRecord, world_size: int, fmt: str = "", replicated: bool = False) -> bool:
+    """Whether a job of ``world_size`` (0: any) can load ``record``: one of its size, or of any size
+    when the job reshards (both ``dcp``: DCP's load-time resharding) or holds replicated state (data
+    parallel: any rank's shard is the state)."""
+    return (not world_size or record.world_size == world_size or replicated
+            or (fmt == "dcp" and record.format == "dcp"))
+
+
 def restore_target(records: Iterable[CheckpointRecord], rollback_to: Rollback | None = None,
                    world_size: int = 0, unreachable: Collection[str] = (),
-                   replicated: bool = False) -> tuple[CheckpointRecord | None, str]:
+                   replicated: bool = False, fmt: str = "") -> tuple[CheckpointRecord | None, str]:
     """The newest valid step that every rank can still read from some tier (a rollback removed
     everything newer than its target).
 
-    With ``world_size`` (the restoring job's), steps saved with another world size are skipped, and
-    the reason names them: a shard committed with another world size (a bug, or a node lying) can
-    never send every rank to a step that has no shard for it. When no step of that size is left, the
-    newest of another size is the answer (a data-parallel job restores it with ``replicated=True``),
-    and the reason says so.
+    With ``world_size`` (the restoring job's), steps it cannot load (:func:`loadable`: another world
+    size, and neither both ``dcp`` (``fmt``) nor ``replicated``) are skipped, and the reason names
+    them: a torch-format shard of another world size is another rank's state, never this rank's.
+    A step of another world size that the job can load is resharded, and the reason says so. When
+    no loadable step is left, the newest of another size is the answer and the reason says why it
+    cannot be loaded (the training side refuses it by name, never as corruption).
 
     ``unreachable``: locations (dead or fenced nodes) whose copies cannot be read now; a step that
     some rank could only read from there is skipped (a node's memory dies with it), unless
@@ -289,18 +315,19 @@ def restore_target(records: Iterable[CheckpointRecord], rollback_to: Rollback | 
         return None, "no valid checkpoint: start from scratch"
     skipped = ""
     if world_size:
-        same = [r for r in valid if r.world_size == world_size]
-        newer = [r for r in valid if r.world_size != world_size and (not same or r.step > same[-1].step)]
+        usable = [r for r in valid if loadable(r, world_size, fmt, replicated)]
+        newer = [r for r in valid if not loadable(r, world_size, fmt, replicated)
+                 and (not usable or r.step > usable[-1].step)]
         if newer:
             skipped = "; skipped " + ", ".join(f"step {r.step} (world size {r.world_size})" for r in newer[-3:])
             if len(newer) > 3:
                 skipped += f" and {len(newer) - 3} more"
-        if not same:
+        if not usable:
             newest = valid[-1]
             return newest, (f"no restorable step was saved with world size {world_size}; the newest is step "
                             f"{newest.step} of world size {newest.world_size} (restorable only by a replicated "
-                            f"state)")
-        valid = same
+                            f"state or, saved in dcp, by a dcp job that reshards it)")
+        valid = usable
     newest = valid[-1]
     lost = sorted(r.step for r in records if r.restorable and r.step > newest.step
                   and not r.readable(unreachable, replicated))
@@ -310,6 +337,9 @@ def restore_target(records: Iterable[CheckpointRecord], rollback_to: Rollback | 
     if replicated and (borrow := newest.unreachable_ranks(unreachable)):
         skipped += (f"; rank(s) {', '.join(map(str, borrow))} read another rank's copy (replicated state; their own "
                     f"copies are only on unreachable nodes)")
+    if world_size and newest.world_size != world_size:
+        skipped += (f"; saved with world size {newest.world_size}: "
+                    + ("read as replicated state" if replicated else f"resharded to {world_size}"))
     if rollback_to is not None and rollback_to.step == newest.step:
         return newest, f"step {newest.step}, the rollback target{skipped}"
     return newest, f"newest valid step {newest.step}{skipped}"

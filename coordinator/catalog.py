@@ -159,13 +159,17 @@ class CatalogKeeper:
                     len({j for j, _ in records}) >= validation.MAX_CATALOG_JOBS:
                 raise errors.TooMany(f"the catalog holds checkpoints of {validation.MAX_CATALOG_JOBS} jobs already; "
                                      f"job {manifest.job} is refused until old ones are deleted")
-            abandoned = rules.superseded_by(records.values(), manifest)
+            restored = request.restored_step if request.HasField("restored_step") else None
+            abandoned = rules.superseded_by(records.values(), manifest, restored)
             if abandoned:  # a new timeline (restarted from an older step in a newer epoch) takes over
+                since = ("started from scratch" if restored == -1 else f"restored step {restored}"
+                         if restored is not None else "restarted from an older step")
                 await self._delete(abandoned, f"{manifest.job}: epoch {manifest.epoch} saves step {manifest.step} "
-                                              f"again after restarting from an older one; steps "
-                                              f"{[r.step for r in abandoned][:10]} of the abandoned timeline removed")
-                log.warning("job %s: step %d saved in epoch %d; removed steps %s of older epochs (abandoned timeline)",
-                            manifest.job, manifest.step, manifest.epoch, [r.step for r in abandoned][:20])
+                                              f"after it {since}; steps {[r.step for r in abandoned][:10]} of the "
+                                              "abandoned timeline removed")
+                log.warning("job %s: step %d saved in epoch %d (%s); removed steps %s of older epochs (abandoned "
+                            "timeline)", manifest.job, manifest.step, manifest.epoch, since,
+                            [r.step for r in abandoned][:20])
                 records = self._records()
             before = records.get((manifest.job, manifest.step))
             cadence = validation.clip(validation.one_line(request.cadence), 200)
@@ -292,17 +296,21 @@ class CatalogKeeper:
         token = f"{infos[-1].job}/{infos[-1].step:012d}" if more else ""
         return checkpoint_pb2.ListCheckpointsResponse(checkpoints=infos, next_page_token=token)
 
-    def restore_target(self, job: str, world_size: int = 0, replicated: bool = False) -> checkpoint_pb2.RestoreTarget:
+    def restore_target(self, job: str, world_size: int = 0, replicated: bool = False,
+                       fmt: str = "") -> checkpoint_pb2.RestoreTarget:
         _check(job, 0)
         if world_size < 0 or world_size > MAX_RANK + 1:
             raise errors.InvalidArgument("world_size", f"must be in [0, {MAX_RANK + 1}], got {world_size}")
+        if fmt not in ("", "torch", "dcp"):
+            raise errors.InvalidArgument("format", f"must be 'torch', 'dcp' or empty, got {fmt[:40]!r}")
         view = self.state.require_leader()
         records = [r for (j, _), r in view.catalog.items() if j == job]
         target, why = rules.restore_target(records, view.rollbacks.get(job), world_size, _unreachable(view, records),
-                                           replicated)
+                                           replicated, fmt)
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)
-        return checkpoint_pb2.RestoreTarget(found=True, checkpoint=rules.to_info(target), reason=why)
+        return checkpoint_pb2.RestoreTarget(found=True, checkpoint=rules.to_info(target), reason=why,
+                                            resharded=bool(world_size) and target.world_size != world_size)
 
     async def rollback(self, request: checkpoint_pb2.RollbackRequest) -> checkpoint_pb2.RollbackResponse:
         job, step = _check(request.job, request.step)

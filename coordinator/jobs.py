@@ -104,9 +104,14 @@ class JobKeeper:
             evict = self._room_for(job)
             before = view.jobs.get(job)
             suspects = {n for n, v in view.verdicts.items() if v.state is not State.ALIVE}
+            try:
+                on_no_spare = rules.check_on_no_spare(req.on_no_spare)
+            except ValueError as exc:
+                raise errors.InvalidArgument("on_no_spare", str(exc)) from exc
             state, reply = rules.join(self.wall(), before, job, view.world.epoch, view.world.ranks, node,
                                       req.last_round, req.min_nodes or 1, req.max_restarts or 10, suspects,
-                                      planned=view.world.handed_over)
+                                      planned=view.world.handed_over, on_no_spare=on_no_spare,
+                                      target_size=view.world.target_size)
             await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}", evict)
             return round_info(state, reply)
 

@@ -11,6 +11,11 @@ per job): which round a node joins, with which rank, and when the job is over.
   it (pytorch issue 147064). Past ``max_restarts`` the job is closed with the reason.
 * A node not in the world (a spare) **waits** and disturbs nobody; so does everybody while the world
   is smaller than ``min_nodes``, with the reason given.
+* **No spare for a lost node** (the world is below its target size): the job's ``on_no_spare`` says
+  what happens. ``shrink`` (the default): the smaller world forms a round (not below ``min_nodes``)
+  and restores the newest step resharded, and so does a grown one when nodes return. ``wait``:
+  everybody waits until the world is back to its target size, and the job's state says why (one
+  event when the wait begins; ``ftctl status`` shows it).
 
 Every rule takes ``now_unix`` (wall-clock seconds, stamped on the round) instead of reading a clock.
 """
@@ -19,10 +24,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 READY, WAIT, CLOSED = "ready", "wait", "closed"
+SHRINK = "shrink"
+ON_NO_SPARE = (SHRINK, WAIT)  # JobState.on_no_spare
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class JobState:
     closed_reason: str = ""
     round_reason: str = "first round"
     round_unix_s: float = 0.0
+    on_no_spare: str = SHRINK  # "shrink" or "wait": see the module docstring
+    waiting: str = ""  # why the job waits for its world to be whole again ("" when it does not)
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,26 @@ def _advance(now_unix: float, state: JobState, epoch: int, world: Sequence[str],
     return new
 
 
+def check_on_no_spare(value: str) -> str:
+    """``value`` as the job's setting ("" is the default, ``shrink``); ``ValueError`` names the choices."""
+    value = value or SHRINK
+    if value not in ON_NO_SPARE:
+        raise ValueError(f"on_no_spare must be one of {', '.join(ON_NO_SPARE)}, got {value[:40]!r}")
+    return value
+
+
+def wait_reason(state: JobState, world_size: int, target_size: int) -> str:
+    """Why a job with ``on_no_spare = "wait"`` does not run on the world now ("" when it may)."""
+    if state.on_no_spare != WAIT or world_size >= target_size:
+        return ""
+    return (f"the world has {world_size} of its {target_size} node(s): no spare took the lost rank(s) and job "
+            f"{state.job} has on_no_spare=wait, so it waits for a spare or a returning node instead of shrinking")
+
+
 def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: Sequence[str], node_id: str,
          last_round: int, min_nodes: int, max_restarts: int,
-         suspects: Collection[str] = (), planned: Collection[str] = ()) -> tuple[JobState, Reply]:
+         suspects: Collection[str] = (), planned: Collection[str] = (), on_no_spare: str = SHRINK,
+         target_size: int = 0) -> tuple[JobState, Reply]:
     """One node asks to (re)join the job. Returns the job's new state and the answer.
 
     ``suspects``: nodes the detector currently suspects. A node whose workers failed because a peer
@@ -71,10 +97,13 @@ def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: S
     round that would count the same incident twice (once as a restart, once as a lost member).
 
     ``planned``: nodes that left the world by a planned hand-over (a preemption notice, a drain):
-    the round their departure starts is not a failure and does not charge the restart budget."""
+    the round their departure starts is not a failure and does not charge the restart budget.
+
+    ``on_no_spare`` (the job's setting, taken from its first join) and ``target_size`` (the size the
+    world should have, the membership's): a ``wait`` job does not run on a world below it."""
     if state is None:
         state = JobState(job, round=0, epoch=epoch, members=tuple(world), max_restarts=max_restarts,
-                         min_nodes=max(1, min_nodes), round_unix_s=now_unix)
+                         min_nodes=max(1, min_nodes), round_unix_s=now_unix, on_no_spare=check_on_no_spare(on_no_spare))
     if state.closed:
         return state, Reply(CLOSED, state.closed_reason or f"job {job} is closed")
     if node_id not in world:
@@ -83,6 +112,11 @@ def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: S
     if len(world) < state.min_nodes:
         return state, Reply(WAIT, f"the world has {len(world)} node(s) and job {job} needs at least "
                                   f"{state.min_nodes}: waiting for a spare or a returning node")
+    waiting = wait_reason(state, len(world), target_size)
+    if waiting:  # recorded once (one event), then every join hears the same
+        return replace(state, waiting=waiting), Reply(WAIT, waiting)
+    if state.waiting:
+        state = replace(state, waiting="")
     if epoch != state.epoch or tuple(world) != state.members:
         lost = [n for n in state.members if n not in world]
         failed = [n for n in lost if n not in planned]
@@ -133,7 +167,8 @@ def encode(state: JobState) -> bytes:
 def decode(raw: bytes) -> JobState:
     data: dict[str, Any] = json.loads(raw)
     data["members"] = tuple(data.get("members", ()))
-    return JobState(**data)
+    known = {f.name for f in fields(JobState)}
+    return JobState(**{k: v for k, v in data.items() if k in known})  # a newer leader's fields are dropped
 
 
 def key(job: str) -> str:

@@ -94,7 +94,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetRestoreTarget(self, request: checkpoint_pb2.GetRestoreTargetRequest,
                                context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RestoreTarget:
         async def target() -> checkpoint_pb2.RestoreTarget:
-            return self.ctl.catalog.restore_target(request.job, request.world_size, request.replicated)
+            return self.ctl.catalog.restore_target(request.job, request.world_size, request.replicated,
+                                                   request.format)
         return await self._unary(context, target)
 
     async def Rollback(self, request: checkpoint_pb2.RollbackRequest,

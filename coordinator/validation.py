@@ -211,8 +211,11 @@ def validate_heartbeat_payload(req: coordinator_pb2.HeartbeatRequest) -> None:
     if req.HasField("health"):
         check_health("health", req.health)
     if req.HasField("progress") and not all(math.isfinite(v) for v in (
-            req.progress.reported_unix_s, req.progress.loss, req.progress.grad_norm, req.progress.flops)):
+            req.progress.reported_unix_s, req.progress.loss, req.progress.grad_norm, req.progress.flops,
+            req.progress.restored.at_unix_s)):
         raise errors.InvalidArgument("progress", "times and figures must be finite numbers")
+    if req.HasField("progress") and req.progress.HasField("restored"):
+        check_text("progress.restored.source", req.progress.restored.source)
 
 
 def validate_commit_shard(req: checkpoint_pb2.CommitShardRequest) -> None:

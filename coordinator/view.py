@@ -177,12 +177,15 @@ class ClusterView:
         job_fields: dict[str, object] = {}
         if job is not None:
             message = job.closed_reason if job.closed else job.round_reason
+            waiting = rendezvous.wait_reason(job, len(world.ranks), world.target_size)
             if not job.closed and len(world.ranks) < job.min_nodes:
                 message = (f"waiting: the world has {len(world.ranks)} node(s) and job {job.job} needs at least "
                            f"{job.min_nodes}")
+            elif not job.closed and waiting:
+                message = f"waiting: {waiting}"
             job_fields = {"job": job.job, "job_round": job.round, "job_restarts": job.restarts,
                           "job_max_restarts": job.max_restarts, "job_closed": job.closed, "job_message": message,
-                          "job_round_unix_s": job.round_unix_s}
+                          "job_round_unix_s": job.round_unix_s, "job_on_no_spare": job.on_no_spare}
         return coordinator_pb2.ClusterStatus(
             **job_fields,  # type: ignore[arg-type]
             leader_id=leader_id, leader_address=leader_address, epoch=world.epoch,

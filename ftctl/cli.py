@@ -94,6 +94,22 @@ def _parser() -> argparse.ArgumentParser:
                     help="start moto's S3 server as the cold tier (in its own namespace with --isolate; dev extra)")
     up.add_argument("--etcd-members", type=int, default=1,
                     help="members of the embedded etcd (3 survives losing one; default 1)")
+    train = up.add_argument_group("training", "a job every agent runs while its node holds a rank")
+    train.add_argument("--train-cmd", default="",
+                       help="the training script and its arguments ('train.py --lr 1e-3', 'python train.py', "
+                            "'-m pkg.train'), torchrun's form; see docs/training.md")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="training processes per node (default 1)")
+    train.add_argument("--job", default="train", help="the job id (default train)")
+    train.add_argument("--min-nodes", type=int, default=0,
+                       help="the job runs with at least this many nodes (default: all the active nodes)")
+    train.add_argument("--max-restarts", type=int, default=10, help="the job's restart budget (default 10)")
+    train.add_argument("--on-no-spare", choices=("shrink", "wait"), default="shrink",
+                       help="a node lost and no spare left: shrink (go on with the smaller world, the newest "
+                            "step resharded) or wait (for a spare or a returning node); default shrink")
+    train.add_argument("--hang-timeout-s", type=float, default=120.0,
+                       help="no training step for this long is a hang [s] (default 120; 0: off)")
+    train.add_argument("--launcher", choices=("warm", "torchrun"), default="warm",
+                       help="warm: the agent's standby workers (default); torchrun: torchrun --rdzv-backend=ftd")
     _isolate_options(up)
     sub.add_parser("down", help="stop everything 'ftctl up' started in --workdir")
 
@@ -197,6 +213,31 @@ def _run_isolated(args: argparse.Namespace, argv: Sequence[str], workdir: Path, 
     return rc
 
 
+def _train_options(args: argparse.Namespace) -> localcluster.TrainOptions | None:
+    """``up``'s training flags as the agents' job (``None`` without ``--train-cmd``)."""
+    if not args.train_cmd:
+        given = [flag for flag, value, default in (
+            ("--nproc-per-node", args.nproc_per_node, 1), ("--job", args.job, "train"),
+            ("--min-nodes", args.min_nodes, 0), ("--max-restarts", args.max_restarts, 10),
+            ("--on-no-spare", args.on_no_spare, "shrink"), ("--hang-timeout-s", args.hang_timeout_s, 120.0),
+            ("--launcher", args.launcher, "warm")) if value != default]
+        if given:
+            raise UsageError(f"{', '.join(given)} without --train-cmd: there is no training job to configure")
+        return None
+    if args.nproc_per_node < 1 or args.min_nodes < 0 or args.max_restarts < 0 or args.hang_timeout_s < 0:
+        raise UsageError("need --nproc-per-node >= 1, --min-nodes >= 0, --max-restarts >= 0, --hang-timeout-s >= 0")
+    if args.min_nodes > args.nodes:
+        raise UsageError(f"--min-nodes {args.min_nodes} is more than the {args.nodes} active node(s)")
+    try:
+        cmd = localcluster.train_command(args.train_cmd)
+    except localcluster.ClusterError as exc:
+        raise UsageError(str(exc)) from exc
+    return localcluster.TrainOptions(cmd=cmd, job=args.job, nproc_per_node=args.nproc_per_node,
+                                     min_nodes=args.min_nodes, max_restarts=args.max_restarts,
+                                     hang_timeout_s=args.hang_timeout_s, launcher=args.launcher,
+                                     on_no_spare=args.on_no_spare)
+
+
 def _flag_or_env(args: argparse.Namespace, env: dict[str, str], flag: str, env_name: str,
                  from_cluster: Callable[[localcluster.ClusterFile], str], secret: bool = False) -> str | None:
     """A flag, else its environment variable (both set and different: an error, as etcdctl does),
@@ -269,12 +310,18 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
         if args.isolate and not inside:
             return _run_isolated(args, argv, args.workdir.resolve(), args.nodes, args.spares, args.coordinators,
                                  keep=True, etcd=args.etcd_members)
+        train = _train_options(args)
         cluster = localcluster.up(args.workdir, args.nodes, args.spares, args.coordinators, args.etcd_endpoints,
                                   args.racks, args.start_timeout, s3_endpoint=args.s3_endpoint,
-                                  s3_bucket=args.s3_bucket, shared_hdd=not args.isolate or args.shared_hdd,
+                                  s3_bucket=args.s3_bucket, train=train,
+                                  shared_hdd=not args.isolate or args.shared_hdd,
                                   isolate=args.isolate, etcd_members=args.etcd_members, s3=args.s3)
         print(f"cluster up in {cluster.workdir}: {args.nodes} active + {args.spares} spare nodes, "
               f"etcd {cluster.etcd_endpoints}")
+        if train is not None:
+            print(f"training: job {train.job}, {train.nproc_per_node} rank(s) per node ({train.launcher} launcher), "
+                  f"at least {train.min_nodes or args.nodes} node(s): {train.cmd}; worker logs in "
+                  f"{cluster.workdir}/nodes/NODE/train.log")
         print(f"coordinator: {cluster.coordinator_endpoints} (mTLS; operator certificate in {cluster.pki_dir})")
         if cluster.isolation:
             print(f"isolated: lab {cluster.isolation['prefix']} on {cluster.isolation['subnet']}, reachable only from "

@@ -30,8 +30,10 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
              timeout_s: float = 150.0, preempt: bool = False, isolate: bool = False,
              shared_hdd: bool = True, s3: bool = False) -> dict[str, Any]:
     """Returns ``{"mode", "passed", "lost_steps", "drill", "checkpoints", "status_before",
-    "status_after", "timeline", "workdir"}``. With ``preempt`` the victim gets a spot preemption notice
-    instead of a SIGKILL: a planned hand-over after a final checkpoint. ``isolate``: in the network lab
+    "status_after", "timeline", "workdir"}``; ``lost_steps`` and the drill's ``resumed_step`` are what
+    the new world restored (never negative), not what the catalog offered. With ``preempt`` the
+    victim gets a spot preemption notice instead of a SIGKILL: a planned hand-over after a final
+    checkpoint. ``isolate``: in the network lab
     that ``ftctl demo --isolate`` made under ``workdir/cluster`` (this runs in its ctl namespace)."""
     temp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="ftd-demo-")) if workdir is None else workdir.resolve()
@@ -82,8 +84,9 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
             result = drill.run(client, victim, mode="node", timeout_s=timeout_s)
         for t, what in result.timeline[1:]:
             mark(f"  +{t:.2f}s {what}")
-        if result.resumed_step is not None:
-            mark(f"training resumed from checkpoint step {result.resumed_step} (last step before the "
+        if result.resumed_step is not None:  # what the new world restored, as its Checkpointer reported
+            source = f" ({result.resumed_from})" if result.resumed_from else ""
+            mark(f"training resumed from checkpoint step {result.resumed_step}{source} (last step before the "
                  f"{'hand-over' if preempt else 'kill'} {result.last_step_before}: {result.lost_steps} steps redone)")
         if preempt:
             mark(f"job restarts counted: {result.restarts_before} before, {result.restarts_after} after")

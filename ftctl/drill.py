@@ -7,7 +7,11 @@ detection must find them).
 The clock starts when the agent acknowledges (it acts before answering; for ``node`` the agent dies
 50 ms later), so the figures are, if anything, slightly pessimistic. Training progress comes from the
 agent of the failed rank's node in the new world (its workers' ``report_step``), with the agents' wall
-clocks: on one host exact, across hosts as good as their clock sync. The drill follows the
+clocks: on one host exact, across hosts as good as their clock sync. ``resumed_step`` is what the new
+world *restored*, as its Checkpointer reported it to that agent (``Progress.restored``), not what
+the catalog offered: a drill fails when the job restarted from scratch or from a step older than the
+catalog's restore target at the new epoch, and ``lost_steps`` (the last step before the failure less
+the resumed one) is never negative. The drill follows the
 coordinator's event log (``ListEvents`` after a sequence number, nearly free when nothing happened)
 and reads the status only when an event arrives: at 2,000 nodes a 50 ms poll of the node list is
 not. The outcome is a pure function of the measurements (:func:`verdict`).
@@ -58,15 +62,38 @@ class DrillResult:
     handover_s: float | None = None  # preempt: from the notice to the new world committed
     restarts_before: int | None = None  # the job's restart budget use before and after the drill
     restarts_after: int | None = None
+    restore_target_step: int | None = None  # the catalog's restore target when the new world was committed
+    resumed_from: str = ""  # the copy (or copies) the new world read, as its Checkpointer reported
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def lost_steps(last_step_before: int | None, resumed_step: int | None) -> int | None:
+    """Steps run before the failure that the new world runs again: never negative (a snapshot may be
+    newer than the last progress report read before the drill); from scratch (-1) all of them."""
+    if last_step_before is None or resumed_step is None:
+        return None
+    return max(0, last_step_before - resumed_step)
+
+
+def restored_since(progress: cluster_pb2.Progress | None, round_unix_s: float,
+                   epoch_after: int = -1) -> cluster_pb2.Restored | None:
+    """The restore a node's progress reports, when it is the new world's: reported after the round
+    began, or by the new epoch (``epoch_after``; clocks of other hosts may lag the coordinator's)."""
+    if progress is None or not progress.HasField("restored"):
+        return None
+    r = progress.restored
+    return r if r.at_unix_s >= round_unix_s or (epoch_after >= 0 and r.epoch >= epoch_after > 0) else None
+
+
 def verdict(mode: str, detected_s: float | None, target_s: float, was_active: bool, replacement: str | None,
             epoch_before: int, epoch_after: int, spares_before: int, training: bool, recovered_s: float | None,
-            target_recover_s: float) -> tuple[bool, str]:
-    """Pass/fail with the reason, from the measurements alone."""
+            target_recover_s: float, restore_target: int | None = None,
+            resumed_step: int | None = None) -> tuple[bool, str]:
+    """Pass/fail with the reason, from the measurements alone. ``restore_target``: the catalog's
+    target when the new world was committed (-1: none); ``resumed_step``: what the new world
+    restored (-1: nothing; ``None``: not reported)."""
     if detected_s is None:
         return False, "fail: the failure was not detected before the drill timed out"
     if detected_s > target_s:
@@ -79,11 +106,21 @@ def verdict(mode: str, detected_s: float | None, target_s: float, was_active: bo
         return False, "fail: training did not complete a step in the new world before the drill timed out"
     if training and recovered_s is not None and recovered_s > target_recover_s:
         return False, f"fail: training recovered after {recovered_s:.1f}s, target {target_recover_s:g}s"
+    if training and resumed_step is not None and restore_target is not None and restore_target >= 0:
+        if resumed_step < 0:
+            return False, (f"fail: the job restarted from scratch although step {restore_target} was restorable "
+                           "(see the training log for why it restored nothing)")
+        if resumed_step < restore_target:
+            return False, (f"fail: the job restarted from step {resumed_step}, older than the restore target "
+                           f"step {restore_target}")
     detail = f"detected in {detected_s:.2f}s (target {target_s:g}s)"
     if mode != "worker" and was_active:
         detail += f"; {replacement} took the rank" if replacement else "; no spare: the world shrank"
     if training and recovered_s is not None:
         detail += f"; training recovered in {recovered_s:.1f}s (target {target_recover_s:g}s)"
+        detail += (f", resumed from step {resumed_step}" if resumed_step is not None and resumed_step >= 0
+                   else ", from scratch (no checkpoint was restorable)" if resumed_step is not None
+                   else " (the job reports no restore: not an ftd Checkpointer job?)")
     return True, f"pass: {detail}"
 
 
@@ -107,7 +144,7 @@ class _Stepping:
         self._channel: grpc.Channel | None = None
         self._node = ""
 
-    def latest(self, node_id: str) -> tuple[int, float] | None:
+    def latest(self, node_id: str) -> cluster_pb2.Progress | None:
         if node_id != self._node:
             self.close()
             if node_id not in self.addresses:  # registered after the drill began: one read of the list
@@ -121,7 +158,7 @@ class _Stepping:
             info = agent_pb2_grpc.AgentStub(self._channel).GetInfo(agent_pb2.GetInfoRequest(), timeout=2.0)
         except grpc.RpcError:
             return None  # not up yet, or restarting: asked again next tick
-        return (info.progress.step, info.progress.reported_unix_s) if info.progress.step >= 0 else None
+        return info.progress if info.HasField("progress") else None
 
     def close(self) -> None:
         if self._channel is not None:
@@ -176,7 +213,8 @@ def run(client: CoordinatorClient, node_id: str, token: str = "", mode: str = "n
     detected_s = committed_s = recovered_s = None
     replacement: str | None = None
     epoch_after = epoch_before
-    resumed_step: int | None = None
+    restore_target: int | None = None  # the catalog's, once the new world is committed
+    resumed: cluster_pb2.Restored | None = None  # what the new world restored, as it reported
     round_start = 0.0
     stale = 0  # ticks left that read the status again: the one an event arrived in, and two more (the
     # leader applies a commit to its view right after the etcd write the event came with)
@@ -202,25 +240,32 @@ def run(client: CoordinatorClient, node_id: str, token: str = "", mode: str = "n
                     replacement = status.world[rank]  # a newcomer at the rank, not a shifted survivor
             if committed_s is not None and not job:
                 break
-            if committed_s is not None and resumed_step is None:
+            if committed_s is not None and restore_target is None:
                 target = client.call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=job),
                                      idempotent=True)
-                resumed_step = target.checkpoint.step if target.found else -1
-            if resumed_step is not None and status.job_round > round_before and not round_start:
+                restore_target = target.checkpoint.step if target.found else -1
+            if restore_target is not None and status.job_round > round_before and not round_start:
                 round_start = status.job_round_unix_s
                 mark(f"round {status.job_round} formed")
-            if round_start and resumed_step is not None and status.world:
+            if round_start and restore_target is not None and status.world:
                 watched = status.world[rank] if 0 <= rank < len(status.world) else status.world[0]
                 latest = stepping.latest(watched)
-                if latest is not None and latest[1] > round_start and latest[0] > resumed_step:
-                    recovered_s = mark(f"training steps again in the new world (step {latest[0]})")
+                if resumed is None and (resumed := restored_since(
+                        latest, round_start, epoch_after if mode != "worker" else -1)) is not None:
+                    mark(f"the new world restored step {resumed.step} ({resumed.source})" if resumed.step >= 0
+                         else f"the new world restored nothing ({resumed.source})")
+                floor = resumed.step if resumed is not None else restore_target
+                if latest is not None and latest.reported_unix_s > round_start and latest.step > floor:
+                    recovered_s = mark(f"training steps again in the new world (step {latest.step})")
                     break
             time.sleep(0.05)
     finally:
         stepping.close()
-    lost = (last_step_before - resumed_step) if last_step_before is not None and resumed_step is not None else None
+    resumed_step = resumed.step if resumed is not None else None
+    lost = lost_steps(last_step_before, resumed_step)
     ok, why = verdict(mode, detected_s, target_detect_s, rank >= 0, replacement, epoch_before, epoch_after,
-                      spares_before, bool(job), recovered_s, target_recover_s)
+                      spares_before, bool(job), recovered_s, target_recover_s, restore_target, resumed_step)
     return DrillResult(node_id, mode, rank, detected_s, replacement, epoch_before, epoch_after, committed_s,
                        last_step_before, resumed_step, lost, recovered_s, target_detect_s, target_recover_s, why, ok,
-                       timeline)
+                       timeline, restore_target_step=restore_target,
+                       resumed_from=resumed.source if resumed is not None else "")

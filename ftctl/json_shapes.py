@@ -21,7 +21,8 @@ def status_dict(status: Any) -> dict[str, Any]:
         "problems": list(status.problems), "etcd_alarms": list(status.etcd_alarms),
         "job": {"id": status.job, "round": status.job_round, "restarts": status.job_restarts,
                 "max_restarts": status.job_max_restarts, "closed": status.job_closed, "message": status.job_message,
-                "round_unix_s": status.job_round_unix_s} if status.job else None,
+                "round_unix_s": status.job_round_unix_s, "on_no_spare": status.job_on_no_spare or "shrink"}
+        if status.job else None,
     }
 
 
@@ -33,6 +34,11 @@ def node_dict(n: Any) -> dict[str, Any]:
         "rank": n.rank, "epoch": n.epoch, "last_heartbeat_age_s": round(n.last_heartbeat_age_s, 3),
         "labels": dict(n.labels), "agent_address": n.agent_address, "state_reason": n.state_reason,
         "step": n.progress.step if n.HasField("progress") else None,
+        # What the node's training restored when its world started (its Checkpointer's report).
+        "restored": {"step": n.progress.restored.step, "source": n.progress.restored.source,
+                     "epoch": n.progress.restored.epoch, "world_size": n.progress.restored.world_size,
+                     "saved_world_size": n.progress.restored.saved_world_size}
+        if n.HasField("progress") and n.progress.HasField("restored") else None,
         "health": json_format.MessageToDict(n.health, preserving_proto_field_name=True),
         # The agent's own verdict against its thresholds; None when it reports none.
         "healthy": n.health.verdict.healthy if n.health.HasField("verdict") else None,

@@ -12,6 +12,11 @@ has its auth on (:mod:`.etcd_server`), and drills are authorised by the operator
 token anywhere). The process that ran :func:`up` dials the cluster with the operator certificate by
 default (:func:`ftd.client.remember_identity`); ``ftctl --workdir DIR`` does too.
 
+``train`` (``ftctl up --train-cmd SCRIPT --nproc-per-node N --job J [--min-nodes M]``,
+:class:`TrainOptions`): every agent runs the job, N local ranks of it while its node holds a rank (on
+the warm launcher its standby workers run the script's ``prepare()`` ahead; docs/training.md, "Your
+own script"); the command is normalised first (:func:`train_command`).
+
 ``isolate`` (``ftctl up --isolate``, :mod:`.isolated`): every etcd member, coordinator replica and node
 in its own network namespace with its own address on a lab bridge (``DIR/net``), ports fixed, the
 certificates issued for those addresses; ``ClusterFile.isolation`` records the lab, and ftctl reaches
@@ -23,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,10 +52,39 @@ class ClusterError(RuntimeError):
     pass
 
 
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+def train_command(cmd: str, cwd: Path | None = None) -> str:
+    """A training command as every agent runs it: torchrun's form (``SCRIPT ARGS...`` or ``-m MODULE
+    ARGS...``), a leading ``python`` (as a user would type it) dropped, and a script given relative to
+    ``cwd`` made absolute, so that agents and standby workers find it wherever they run."""
+    try:
+        argv = shlex.split(cmd)
+    except ValueError as exc:
+        raise ClusterError(f"--train-cmd {cmd!r} is not a command line: {exc}") from exc
+    if argv and (argv[0] == sys.executable or _PYTHON.fullmatch(Path(argv[0]).name)):
+        argv = argv[1:]
+    if not argv:
+        raise ClusterError(f"--train-cmd {cmd!r} names no script or module")
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise ClusterError(f"--train-cmd {cmd!r}: '-m' without a module")
+        return shlex.join(argv)
+    if argv[0].startswith("-"):
+        raise ClusterError(f"--train-cmd {cmd!r} starts with the option {argv[0]!r}: give a script or '-m MODULE'")
+    script = Path(argv[0]) if Path(argv[0]).is_absolute() else (cwd or Path.cwd()) / argv[0]
+    if not script.is_file():
+        raise ClusterError(f"--train-cmd {cmd!r}: no script {script}")
+    return shlex.join([str(script.resolve()), *argv[1:]])
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """A training job for every agent to run with the ftd rendezvous (``ftctl up --train-cmd``): on the
-    warm path (standby workers started by the agent) or under ``torchrun --rdzv-backend=ftd``."""
+    warm path (standby workers started by the agent) or under ``torchrun --rdzv-backend=ftd``. ``cmd``
+    is torchrun's form (:func:`train_command` makes it so); every agent runs ``nproc_per_node`` local
+    ranks of it."""
 
     cmd: str
     job: str = "train"
@@ -57,12 +93,13 @@ class TrainOptions:
     max_restarts: int = 10
     hang_timeout_s: float = 120.0
     launcher: str = "warm"
+    on_no_spare: str = "shrink"  # or "wait": what the job does when a node is lost and no spare is left
 
     def agent_args(self, nodes: int) -> list[str]:
         return ["--train-cmd", self.cmd, "--train-job", self.job, "--nproc-per-node", str(self.nproc_per_node),
                 "--min-nodes", str(self.min_nodes or nodes), "--max-nodes", str(max(nodes, self.min_nodes)),
                 "--max-restarts", str(self.max_restarts), "--hang-timeout-s", str(self.hang_timeout_s),
-                "--launcher", self.launcher]
+                "--launcher", self.launcher, "--on-no-spare", self.on_no_spare]
 
 
 @dataclass

@@ -4,8 +4,10 @@ real (the node agent's trigger file), and the planned hand-over it starts, measu
 The notice reaches the agent's preemption watcher; the agent asks the coordinator to drain the node;
 every rank of the job stops at the same step, saves a final checkpoint and waits; once that step is
 valid the coordinator commits the new world (a spare in the node's rank) without charging the job's
-restart budget; the job resumes from the final step. Lost work is counted from the job's own step
-log when one is given (``--out`` of the demo job), else from the progress the agents reported.
+restart budget; the job resumes from the final step. The resumed step is what the new world
+restored, as its Checkpointer reported it (``Progress.restored``), else as the job's own step log
+says (``--out`` of the demo job); lost work is counted from that log's last step when one is given,
+else from the progress the agents reported, and is never negative.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from ftd.client import CoordinatorClient
 from ftd.v1 import checkpoint_pb2
 
-from .drill import DrillError, DrillResult, _progress
+from .drill import DrillError, DrillResult, _progress, lost_steps, restored_since
 
 NOTICE_S = 30.0  # GCE and Azure give about 30 s, the shortest of the clouds
 
@@ -91,7 +93,8 @@ def run(client: CoordinatorClient, node_id: str, trigger: Path, job_log: Path | 
     deadline = t0 + timeout_s
     drained_s = committed_s = recovered_s = None
     replacement: str | None = None
-    epoch_after, restarts_after, resumed_step = epoch_before, restarts_before, None
+    epoch_after, restarts_after, target_step = epoch_before, restarts_before, None
+    reported = None  # what the new world restored, as it reported
     last_seen = max((s for s, _ in _progress(client, world_before)), default=None)
     while time.monotonic() < deadline:
         status = client.status(deadline_s=max(0.5, deadline - time.monotonic()))
@@ -108,23 +111,30 @@ def run(client: CoordinatorClient, node_id: str, trigger: Path, job_log: Path | 
                     break
                 target = client.call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job=job),
                                      idempotent=True)
-                resumed_step = target.checkpoint.step if target.found else -1
+                target_step = target.checkpoint.step if target.found else -1
         elif status.job_round > round_before:
-            fresh = [s for s, at in _progress(client, list(status.world))
-                     if at > status.job_round_unix_s and s > (resumed_step or -1)]
+            nodes = [n for n in client.nodes().nodes if n.node_id in status.world and n.HasField("progress")]
+            if reported is None:
+                reported = next((r for n in nodes if (r := restored_since(
+                    n.progress, status.job_round_unix_s, epoch_after)) is not None), None)
+            floor = reported.step if reported is not None else (target_step if target_step is not None else -1)
+            fresh = [n.progress.step for n in nodes
+                     if n.progress.reported_unix_s > status.job_round_unix_s and n.progress.step > floor]
             if fresh:
                 restarts_after = status.job_restarts
                 recovered_s = mark(f"training steps again in round {status.job_round} (step {max(fresh)})")
                 break
         time.sleep(0.05)
     last_before = last_seen
+    resumed_step = reported.step if reported is not None else None
     if job_log is not None and committed_s is not None:
         logged_last, logged_resumed = steps_from_log(job_log, wall0 + committed_s)
         last_before = logged_last if logged_last is not None else last_before
-        resumed_step = logged_resumed if logged_resumed is not None else resumed_step
-    lost = last_before - resumed_step if last_before is not None and resumed_step is not None else None
+        resumed_step = resumed_step if resumed_step is not None else logged_resumed
+    lost = lost_steps(last_before, resumed_step)
     ok, why = verdict(committed_s is not None, replacement, spares, lost, restarts_after == restarts_before,
                       recovered_s, bool(job))
     return DrillResult(node_id, "preempt", rank, drained_s, replacement, epoch_before, epoch_after, committed_s,
                        last_before, resumed_step, lost, recovered_s, notice_s, timeout_s, why, ok, timeline,
-                       handover_s=committed_s, restarts_before=restarts_before, restarts_after=restarts_after)
+                       handover_s=committed_s, restarts_before=restarts_before, restarts_after=restarts_after,
+                       restore_target_step=target_step, resumed_from=reported.source if reported is not None else "")

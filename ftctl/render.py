@@ -63,7 +63,8 @@ def status(s: dict[str, Any]) -> str:
     if job:
         state = "CLOSED" if job["closed"] else f"round {job['round']}"
         budget = f"{job['restarts']}/{job['max_restarts']} restarts"
-        lines.append(f"job:      {job['id']} {state}, {budget}: {job['message']}")
+        spare = f", on_no_spare={job['on_no_spare']}" if job.get("on_no_spare") else ""
+        lines.append(f"job:      {job['id']} {state}, {budget}{spare}: {job['message']}")
     return "\n".join(lines)
 
 
@@ -109,7 +110,7 @@ def drill(r: dict[str, Any]) -> str:
     if r["recovered_s"] is not None or r["resumed_step"] is not None:
         lines += [
             f"training:    last step {r['last_step_before']}, resumed from checkpoint step {r['resumed_step']} "
-            f"({r['lost_steps']} steps redone)",
+            f"({r['lost_steps']} steps redone)" + (f" read from {r['resumed_from']}" if r.get("resumed_from") else ""),
             f"recovered:   {secs(r['recovered_s'])} from the fault to the first step in the new world "
             f"(target {r['target_recover_s']:g}s)",
         ]

@@ -139,6 +139,8 @@ TABLE: dict[str, Policy] = {
     _A + "WriteShard": Policy(_NODE, AGENT_PEERS),
     # the fast path of ReadShard: a one-time offer of a copy on a dedicated connection (agent.bulk_copy)
     _A + "OpenShard": Policy(_NODE, AGENT_PEERS),
+    # the fast path of WriteShard: a node announces its own memory snapshot, its buddy pulls it
+    _A + "PullReplica": Policy(_NODE, AGENT_PEERS, "source"),
 }
 
 UNKNOWN_LABEL = "unknown"

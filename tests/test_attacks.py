@@ -34,6 +34,7 @@ from ftd.etcd_client import make_client
 from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import ClusterFile, stop, up
 from ftd.storage_backends.base import crc32c_file
+from ftd.training import dcp_io
 from ftd.training import restore as training_restore
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
@@ -313,7 +314,7 @@ def dcp_shard(tmp_path: Path) -> tuple[Path, dict[str, tuple[int, str]]]:
 def test_a_verified_dcp_shard_loads(tmp_path: Path) -> None:
     folder, expected = dcp_shard(tmp_path)
     template: dict[str, Any] = {"model": {"w": torch.zeros(6)}, "step": 0}
-    training_restore._load_dcp(folder, expected, template, weights_only=True)
+    dcp_io.load_dcp(folder, expected, template, weights_only=True)
     assert torch.equal(template["model"]["w"], torch.arange(6, dtype=torch.float32)) and template["step"] == 7
 
 
@@ -322,7 +323,7 @@ def test_a_crafted_dcp_metadata_is_never_unpickled(tmp_path: Path) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(Boom()))
     expected = {p.name: (p.stat().st_size, crc32c_file(p)) for p in folder.iterdir()}  # a lying node's manifest
     with pytest.raises(ValueError, match=r"refusing to unpickle (posix|os)\.system"):
-        training_restore._load_dcp(folder, expected, {"model": {"w": torch.zeros(6)}}, weights_only=True)
+        dcp_io.load_dcp(folder, expected, {"model": {"w": torch.zeros(6)}}, weights_only=True)
     assert not Path("/tmp/ftd-pwned").exists()
 
 
@@ -330,11 +331,11 @@ def test_dcp_metadata_outside_the_manifest_or_pointing_outside_is_refused(tmp_pa
     folder, expected = dcp_shard(tmp_path)
     unlisted = {k: v for k, v in expected.items() if k != ".metadata"}
     with pytest.raises(ValueError, match=r"does not list \.metadata"):
-        training_restore._load_dcp(folder, unlisted, {"model": {"w": torch.zeros(6)}}, weights_only=False)
+        dcp_io.load_dcp(folder, unlisted, {"model": {"w": torch.zeros(6)}}, weights_only=False)
     data = [k for k in expected if k.endswith(".distcp")]
     no_data = {k: v for k, v in expected.items() if k not in data}
     with pytest.raises(ValueError, match="not a verified file of this shard"):
-        training_restore._load_dcp(folder, no_data, {"model": {"w": torch.zeros(6)}}, weights_only=True)
+        dcp_io.load_dcp(folder, no_data, {"model": {"w": torch.zeros(6)}}, weights_only=True)
 
 
 def test_the_dcp_path_verifies_checksums_before_reading_anything(tmp_path: Path,
@@ -342,7 +343,7 @@ def test_the_dcp_path_verifies_checksums_before_reading_anything(tmp_path: Path,
     folder, expected = dcp_shard(tmp_path)
     (folder / ".metadata").write_bytes(pickle.dumps(Boom()))  # swapped after the manifest was recorded
     reads: list[Path] = []
-    monkeypatch.setattr(training_restore, "_safe_dcp_metadata", reads.append)
+    monkeypatch.setattr(dcp_io, "safe_metadata", reads.append)
     with pytest.raises(ValueError, match=r"crc32c|bytes"):
         training_restore.load_shard(folder, expected, "dcp", "cpu", {"model": {"w": torch.zeros(6)}}, True)
     assert reads == [], "nothing is unpickled before every file checks out"

@@ -19,6 +19,7 @@ from ftd.agent.torchrun_supervisor import descendants
 from ftd.client import CoordinatorClient
 from ftd.ftctl import drill
 from ftd.ftctl.localcluster import TrainOptions, spawn_agent, stop, up, wait_agent
+from ftd.training import demo_job
 from ftd.v1 import checkpoint_pb2
 from ftd.waiting import wait_for
 
@@ -114,6 +115,7 @@ def check_resumed(run: Run, result: drill.DrillResult, fault_t: float) -> None:
     assert sum(last) / len(last) < sum(first) / len(first), "the loss did not keep decreasing"
     old_pids = {r["pid"] for r in records if r["event"] == "start" and r["t"] < fault_t}
     assert not [p for p in old_pids if alive(p)], "a worker of the old world is still running"
+    assert not demo_job.replay_mismatches(records), "a step run again after the recovery differs from its first run"
 
 
 def test_kill_node_spare_takes_the_rank_and_training_resumes(run_factory: Any) -> None:

@@ -57,8 +57,9 @@ PLAUSIBLE: dict[str, list[Any]] = {
     "host": ["10.0.0.1", "10.0.0.9"], "incarnation": ["i1", "i2"], "address": ["127.0.0.1:9"],
     "agent_address": ["127.0.0.1:9"], "name": ["state.pt", ".metadata"], "reason": ["r", "disk full"],
     "corrupt_reason": ["", "crc mismatch"], "page_token": ["", "b", "j/000000000100", "5"],
-    "step": [0, 1, 100, 200], "rank": [0, 1, 2], "world_size": [1, 2], "round": [0, 1],
+    "step": [0, 1, 100, 200], "rank": [0, 1, 2], "world_size": [1, 2], "round": list(range(8)),
     "last_round": [-1, 0, 1], "limit": [0, 1, 5], "page_size": [0, 1, 2], "epoch": [0, 1],
+    "on_no_spare": ["", "shrink", "wait"],
 }
 INTS = {
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),

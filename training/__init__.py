@@ -4,5 +4,6 @@
 """
 
 from .checkpoint import Checkpointer, HandoverTimeout, RestoreError, SaveResult
+from .snapshot import Snapshotter
 
-__all__ = ["Checkpointer", "HandoverTimeout", "RestoreError", "SaveResult"]
+__all__ = ["Checkpointer", "HandoverTimeout", "RestoreError", "SaveResult", "Snapshotter"]

@@ -4,6 +4,10 @@ Every call has a deadline. The agent forwards catalog calls to the coordinator l
 reaches the caller as :class:`AgentUnavailable` (no agent, or it could not reach the coordinator)
 or :class:`CatalogRefused` (the coordinator refused the change, e.g. a contradicting shard).
 
+The restore's outcome travels with the link: :meth:`AgentLink.report_restored` tells the agent what
+the world resumed from (drills and the demo report it), and :attr:`AgentLink.restored_step` goes
+with every ``CommitShard`` (the catalog abandons only the older epochs' steps newer than it).
+
 The node's tiers arrive in agent.proto's wire form (``GetTiers``, written by
 ``ftd.agent.tiers_wire``); :func:`tiers_from_proto` reads them back into the specs the agent
 opened, so both sides open identical backends.
@@ -46,6 +50,7 @@ class AgentLink:
         self.timeout_s = timeout_s
         self._channel = rpc.channel(f"unix:{path}")
         self._stub = agent_pb2_grpc.AgentStub(self._channel)
+        self.restored_step: int | None = None  # what this world restored (-1: nothing); None: no restore asked
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
@@ -66,9 +71,12 @@ class AgentLink:
                      from_tier: str = "", timeout_s: float | None = None) -> checkpoint_pb2.CommitShardResponse:
         """``tier`` "" is the SSD; "mem" a memory snapshot (the agent replicates it to its buddy).
         ``from_tier`` "mem": the shard's bytes are in the memory tier, and the agent copies them to
-        ``tier`` before it commits (the durable step of a memory snapshot: allow ``timeout_s``)."""
-        return self._call("CommitShard", checkpoint_pb2.CommitShardRequest(  # type: ignore[no-any-return]
-            manifest=manifest, tier=tier, cadence=cadence, from_tier=from_tier), timeout_s=timeout_s)
+        ``tier`` before it commits (the durable step of a memory snapshot: allow ``timeout_s``).
+        :attr:`restored_step` goes with it (when a restore was asked)."""
+        request = checkpoint_pb2.CommitShardRequest(manifest=manifest, tier=tier, cadence=cadence, from_tier=from_tier)
+        if self.restored_step is not None:
+            request.restored_step = self.restored_step
+        return self._call("CommitShard", request, timeout_s=timeout_s)  # type: ignore[no-any-return]
 
     def fetch_shard(self, request: agent_pb2.FetchShardRequest,
                     timeout_s: float = 300.0) -> agent_pb2.FetchShardResponse:
@@ -97,9 +105,18 @@ class AgentLink:
         return self._call("InvalidateCheckpoint", checkpoint_pb2.InvalidateCheckpointRequest(  # type: ignore[no-any-return]
             job=job, step=step, reason=reason))
 
-    def restore_target(self, job: str, replicated: bool = False) -> checkpoint_pb2.RestoreTarget:
+    def restore_target(self, job: str, replicated: bool = False, world_size: int = 0,
+                       fmt: str = "") -> checkpoint_pb2.RestoreTarget:
+        """The step to restore for a job of ``world_size`` ranks saving in ``fmt`` (0, "": not said):
+        of that size, or of any size when the job reshards (``dcp``) or is ``replicated``."""
         return self._call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(  # type: ignore[no-any-return]
-            job=job, replicated=replicated))
+            job=job, replicated=replicated, world_size=world_size, format=fmt))
+
+    def report_restored(self, restored: cluster_pb2.Restored) -> None:
+        """Best effort, never raises: what this rank restored (the agent keeps it in its progress)."""
+        with contextlib.suppress(AgentUnavailable, CatalogRefused):
+            self._call("ReportProgress", agent_pb2.ReportProgressRequest(rank=restored.rank, restored=restored),
+                       timeout_s=2.0)
 
     def report(self, rank: int, step: int | None = None, loss: float | None = None, grad_norm: float | None = None,
                error: str = "", error_kind: str = "", flops: float | None = None,

@@ -8,6 +8,43 @@
     ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})   # blocks for the snapshot only
     ckpt.wait()                                # flush before exit
 
+A sharded job (FSDP2 ``fully_shard``, tensor parallel) saves in DCP form the state torch's own
+helpers give, restored in place (DCP reshards it when the world size changed)::
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from ftd.training import Checkpointer
+    from ftd.training.cadence import CadencePolicy
+
+    class AppState:                            # a DCP Stateful: get_state_dict names and shards the state
+        def __init__(self, model, optim):
+            self.model, self.optim = model, optim
+        def state_dict(self):                  # creates Adam's lazily made state too (a zero-lr step)
+            model_sd, optim_sd = get_state_dict(self.model, self.optim)
+            return {"model": model_sd, "optim": optim_sd}
+        def load_state_dict(self, sd):
+            set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    state = {"app": AppState(model, optim)}   # any DCP state: Stateful objects, DTensor/ShardedTensor values
+    ckpt = Checkpointer("my-job", format="dcp", cadence=CadencePolicy(1, 100),
+                        dataloader=loader)     # optional: a Stateful loader; its position is kept per rank
+    step = ckpt.restore(state)                 # in place; None on a fresh start; RNG states and loader too
+    ckpt.prepare(state)                        # optional: the snapshot buffers allocated now, not at a save
+    for step in range(0 if step is None else step + 1, steps):
+        ...                                    # forward, backward, optim.step()
+        ckpt.step_end(step, lambda: state)     # a memory snapshot / durable checkpoint when the cadence says
+    ckpt.wait()
+    ckpt.close()
+
+Every save also keeps this rank's RNG states (python ``random``, numpy when loaded, torch CPU, CUDA
+when initialised) and the ``dataloader``'s ``state_dict()``; a restore sets them back (``rng=False``
+keeps the RNG out), so a deterministic job recovers bit-identical to an uninterrupted run
+(:mod:`.rank_state`). :meth:`Checkpointer.prepare` calls the state's ``state_dict()``: around
+``get_state_dict`` on an optimizer that never stepped, that creates its state with torch's zero-lr
+step (Adam's step count starts at 1), so on a fresh start call it after the first step if the run
+must match one without it. Before the world is known (a standby's ``prepare()`` hook), a
+:class:`~.snapshot.Snapshotter` can reserve the bytes ahead: ``Snapshotter().reserve(n)``, handed
+over as ``Checkpointer(..., buffers=...)``.
+
 :class:`Checkpointer` is the API; the work is done by three parts, each its own module:
 
 * **Save** (:mod:`.save_loop`) is two-phase: :meth:`Checkpointer.save` copies the state into host
@@ -25,7 +62,8 @@
 **Memory snapshots and cadence**: with a memory tier on the node (the agent's tmpfs directory),
 :meth:`Checkpointer.step_end` asks the job's :class:`~.cadence.CadencePolicy` what to do at each step:
 a memory snapshot (written into the memory tier, committed with tier ``mem``; the agent replicates it
-to its buddy node) every ``memory_every_steps`` unless the stall forbids, and a durable checkpoint
+to its buddy node) every ``memory_every_steps`` unless snapshots slow the whole step by more than
+``max_stall_fraction`` (then the interval widens, agreed by every rank), and a durable checkpoint
 (the memory copy copied to the SSD by the agent, its first tiering hop) every
 ``persist_every_steps`` or ``persist_every_s``. At most two snapshots per rank are held; one that
 would exceed the memory tier's budget is refused with a clear error (reported as ``memory_full``),
@@ -40,7 +78,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -51,11 +88,14 @@ from ftd.checkpoints.layout import check_job
 from ftd.storage_backends.tiers import Tier, open_tiers
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused, tiers_from_proto
-from .cadence import CadencePolicy, decide
+from .cadence import CadencePolicy, CadenceTracker, agree_max
+from .dcp_io import check_template
 from .emergency import EmergencyFlush
 from .handover_stop import HandoverFlag, agree_any
-from .restore import RestoreError, Restorer
+from .rank_state import RankState
+from .restore import RestoreError, Restorer, load_into
 from .save_loop import SaveLoop, SaveResult, failpoint
+from .snapshot import Snapshotter
 
 log = logging.getLogger("ftd.training.checkpoint")
 
@@ -84,6 +124,9 @@ class Checkpointer:
         preemption_file: str | None = None,
         install_signal_handlers: bool = True,
         cadence: CadencePolicy | None = None,
+        dataloader: Any = None,
+        rng: bool = True,
+        buffers: Snapshotter | None = None,
     ) -> None:
         self.job = check_job(job)
         if format not in ("torch", "dcp"):
@@ -101,14 +144,13 @@ class Checkpointer:
         self.ssd = next(t for t in self.tiers if t.name != MEMORY)
         self.mem: Tier | None = next((t for t in self.tiers if t.name == MEMORY), None)
         self.cadence = cadence or CadencePolicy()
+        extra = RankState(dataloader, rng)  # this rank's RNG states and data loader position, with every save
         self.saves = SaveLoop(self.job, self.rank, self.world_size, self.epoch, self.format, self.agent, self.ssd,
-                              self.mem, self.cadence.describe() if cadence is not None else "")
-        self.restorer = Restorer(self.job, self.rank, self.world_size, self.format, self.tiers, self.agent)
-        # Cadence state (step_end).
-        self._last_persist_step = -1
-        self._last_persist_s = 0.0
-        self._last_step_end: float | None = None
-        self._step_s = 0.0
+                              self.mem, self.cadence.describe() if cadence is not None else "", extra, buffers)
+        self.restorer = Restorer(self.job, self.rank, self.world_size, self.format, self.tiers, self.agent, extra,
+                                 self.epoch)
+        # The cadence (step_end): measured on every rank, agreed by all (one all-reduce per decision).
+        self.cadence_tracker = CadenceTracker(self.cadence, lambda values: agree_max(values, self.world_size))
         self._handover = HandoverFlag()
         self.saves.cleanup_leftovers()
         self._emergency = EmergencyFlush(self.wait, emergency_signals, preemption_file, install_signal_handlers)
@@ -133,7 +175,25 @@ class Checkpointer:
         """The copy the last restore loaded ("mem@node-2", "ssd@node-0", ...)."""
         return self.restorer.restored_from
 
+    @property
+    def snapshot_alloc_s(self) -> float:
+        """How long the latest save spent allocating snapshot buffers (0 when :meth:`prepare`, a
+        reserved ``buffers=`` or an earlier save had laid them out)."""
+        return self.saves.snapshot_alloc_s
+
+    @property
+    def restored_extra(self) -> list[str]:
+        """What the last restore set back besides the state: the RNGs ("python", "numpy", "torch",
+        "cuda") and "dataloader" (empty for a shard saved without them, or when not asked for)."""
+        return list(self.restorer.restored_extra)
+
     # ---- save ----------------------------------------------------------------------------------
+
+    def prepare(self, state: Any) -> int:
+        """Allocates the snapshot buffers for ``state`` now (every page touched), so that no save
+        stalls allocating them; returns their bytes. Calls the state's ``state_dict()`` (see the
+        module docstring about an optimizer that never stepped)."""
+        return self.saves.prepare(state)
 
     def save(self, step: int, state_dict: dict[str, Any], *, memory: bool = False,
              durable: bool = True) -> Future[SaveResult]:
@@ -147,25 +207,22 @@ class Checkpointer:
         agent copy that memory copy to the SSD, so the next snapshot waits for the memory write only.
         Without a memory tier on the node ``memory`` is ignored. :meth:`step_end` chooses both by the
         cadence."""
+        if self.format == "dcp":
+            check_template(state_dict)  # a bare optimizer could be saved, but never loaded back right
         return self.saves.save(step, state_dict, memory=memory, durable=durable)
 
     def step_end(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Future[SaveResult] | None:
-        """Call at the end of every training step: saves what the cadence says (``state_fn`` is called
-        only then). Returns the save's future, or ``None`` when nothing was saved at this step."""
-        now = time.monotonic()
-        if self._last_step_end is not None:  # the step time, smoothed: what the stall is compared with
-            took = now - self._last_step_end
-            self._step_s = took if self._step_s == 0 else 0.8 * self._step_s + 0.2 * took
-        self._last_step_end = now
-        d = decide(self.cadence, step, time.time(), self._last_persist_step, self._last_persist_s,
-                   stall_s=self.last_blocked_s, step_s=self._step_s)
+        """Call at the end of every training step, on every rank (a collective every
+        ``decide_every_steps``: the ranks agree on the snapshot interval): saves what the cadence says
+        (``state_fn`` is called only then; :mod:`.cadence`: the whole step is timed with and
+        without snapshot work, and the interval widens when snapshots slow the training by more than
+        ``max_stall_fraction``). Returns the save's future, or ``None`` when nothing was saved."""
+        d = self.cadence_tracker.step_end(step, self.saves.quiet_since())
         memory = d.memory and self.mem is not None
         if not (memory or d.persist):
             return None
-        if d.persist:
-            self._last_persist_step, self._last_persist_s = step, time.time()
         future = self.save(step, state_fn(), memory=memory, durable=d.persist)
-        self._last_step_end = time.monotonic()  # the save's stall is measured apart (last_blocked_s)
+        self.cadence_tracker.saved(d, self.last_blocked_s)
         return future
 
     def wait(self) -> SaveResult | None:
@@ -182,7 +239,28 @@ class Checkpointer:
         there is no valid checkpoint. ``template`` is required for the ``dcp`` format (loaded in place).
         ``replicated=True`` (data parallel: every rank holds the same state) lets a world of another
         size restore: rank r reads shard ``r % old_world_size``."""
+        if template is not None:
+            check_template(template)
         return self.restorer.load_latest(map_location, template, weights_only, attempts, replicated)
+
+    def restore(self, state: dict[str, Any], *, weights_only: bool = True, attempts: int = 8,
+                replicated: bool = False) -> int | None:
+        """Loads the newest checkpoint this rank can verify into ``state`` in place and returns its
+        step (``None``: no checkpoint, ``state`` untouched). ``dcp``: DCP's load into the live state,
+        a ``Stateful`` value's ``state_dict()`` loaded into and its ``load_state_dict()`` called (an
+        ``AppState`` around ``get_state_dict``/``set_state_dict``: sharded state and the optimizer's
+        lazily made state included). ``torch``: a Stateful value gets ``load_state_dict(saved)``, a
+        tensor is copied into, anything else replaced. The RNG states and the data loader's position
+        saved with the step are set back too."""
+        if self.format == "dcp":
+            check_template(state)
+            got = self.restorer.load_latest("cpu", state, weights_only, attempts, replicated)
+            return None if got is None else got[0]
+        got = self.restorer.load_latest("cpu", None, weights_only, attempts, replicated)
+        if got is None:
+            return None
+        load_into(state, got[1])
+        return got[0]
 
     # ---- progress and hand-overs -------------------------------------------------------------------
 
@@ -226,4 +304,4 @@ class Checkpointer:
         self.agent.close()
 
 
-__all__ = ["Checkpointer", "HandoverTimeout", "RestoreError", "SaveResult", "failpoint"]
+__all__ = ["Checkpointer", "HandoverTimeout", "RestoreError", "SaveResult", "Snapshotter", "failpoint"]

@@ -6,6 +6,14 @@ a CRC32C of its parameters, its pid, the step it restored from. The tests read t
 that training resumed at the latest valid step, that all ranks hold identical parameters, and that the
 loss keeps decreasing.
 
+**Exact recovery, checked**: the batches come from a Stateful loader (:class:`Batches`, its position
+saved with every checkpoint: ``Checkpointer(dataloader=...)``) and are jittered with torch's global RNG
+(its state saved and restored with the step), so a resumed run is bit-identical to an uninterrupted
+one. The job checks it on itself: the steps a new world runs again (those after the step it restored,
+which the old world had run) must give the same loss, parameters and RNG state as the old world's
+lines in ``--out`` (each step line's ``replay``: ``null`` for a step run the first time, else whether
+it matched; :func:`replay_mismatches` lists the ones that did not).
+
     torchrun ... -m ftd.training.demo_job --steps 400 --ckpt-every 10 --out /tmp/run
 
 With ``--memory-every N`` the job follows a save cadence instead (:class:`ftd.training.cadence.CadencePolicy`,
@@ -45,6 +53,58 @@ def batch(step: int, rank: int, size: int = 64) -> tuple[torch.Tensor, torch.Ten
     return x, x @ w + 0.01 * torch.randn(size, 1, generator=g)
 
 
+class Batches:
+    """The job's data loader: batch ``position`` of this rank next, jittered with torch's global RNG
+    (so that a resume is exact only if the RNG state came back with the step). A DCP Stateful."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.position = rank, 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(self.position, self.rank)
+        self.position += 1
+        return x + 0.001 * torch.randn_like(x), y
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def rng_crc() -> str:
+    """A fingerprint of torch's global RNG state."""
+    state = torch.get_rng_state().to(torch.int64)
+    return f"{int((state * torch.arange(1, state.numel() + 1)).sum()) & 0xFFFFFFFFFFFF:012x}"
+
+
+def earlier_steps(out: Path, rank: int, world: int, restored: int,
+                  restored_crc: str) -> dict[int, tuple[float, str, str]]:
+    """step -> (loss, params_crc, rng) of the steps after ``restored`` that this rank already ran in an
+    earlier world of this size *from the same point*: a process whose line for step ``restored`` has
+    the parameters just restored (the lines in ``out``; the reference a replayed step must match)."""
+    runs: dict[int, dict[int, tuple[float, str, str]]] = {}
+    for path in out.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:  # a line being written
+                continue
+            if r.get("event") == "step" and r.get("rank") == rank and r.get("world") == world and "rng" in r:
+                runs.setdefault(r["pid"], {})[int(r["step"])] = (r["loss"], r["params_crc"], r["rng"])
+    for steps in runs.values():
+        if restored in steps and steps[restored][1] == restored_crc:
+            return {s: v for s, v in steps.items() if s > restored}
+    return {}
+
+
+def replay_mismatches(records: list[dict[str, Any]]) -> list[str]:
+    """The replayed steps (run again after a recovery) whose loss, parameters or RNG differed from
+    the first run's: empty when every recovery was exact."""
+    return [f"rank {r['rank']} step {r['step']} (pid {r['pid']})" for r in records
+            if r.get("event") == "step" and r.get("replay") is False]
+
+
 def params_crc(model: torch.nn.Module) -> str:
     """An exact fingerprint of the parameters' bits (torch alone: numpy is not a dependency)."""
     flat = torch.cat([p.detach().flatten() for p in model.parameters()]).contiguous()
@@ -79,6 +139,10 @@ class PlainCheckpoints:
 
     def report_step(self, step: int, loss: float | None = None) -> None:
         pass
+
+    @property
+    def restored_from(self) -> str:
+        return ""
 
     def should_stop(self, step: int) -> bool:
         return False  # no agent tells a plain job about a hand-over
@@ -141,30 +205,37 @@ def main(argv: list[str] | None = None) -> int:
     ddp = DistributedDataParallel(model)
     ddp_ready = time.time()  # the constructor broadcasts the parameters (and may import torch._dynamo)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ckpt: Checkpointer | PlainCheckpoints = (PlainCheckpoints(args.plain_ckpt, rank, world) if args.plain_ckpt
-                                             else Checkpointer(os.environ.get("FTD_JOB", "demo"), cadence=cadence))
+    batches = Batches(rank)
+    ckpt: Checkpointer | PlainCheckpoints = (
+        PlainCheckpoints(args.plain_ckpt, rank, world) if args.plain_ckpt
+        else Checkpointer(os.environ.get("FTD_JOB", "demo"), cadence=cadence, dataloader=batches))
     start = 0
-    restored = ckpt.load_latest(replicated=True)
+    restored = ckpt.load_latest(replicated=True)  # the RNG states and the loader's position come back too
     if restored is not None:
         step, state = restored
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = step + 1
+        if args.plain_ckpt:
+            batches.position = start  # a plain job keeps no loader position: the step is all it has
+    earlier = earlier_steps(args.out, rank, world, start - 1, params_crc(model)) if restored is not None else {}
     emit(event="start", restored_step=restored[0] if restored else -1, params_crc=params_crc(model),
-         restored_from=getattr(ckpt, "restored_from", ""), ddp_ready=ddp_ready)
+         restored_from=ckpt.restored_from, ddp_ready=ddp_ready, position=batches.position)
     last = args.steps - 1
     for step in range(start, args.steps):
         if args.finish_file is not None and last == args.steps - 1:
             last = min(last, finish_line(args.finish_file, last))
         if step > last:
             break
-        x, y = batch(step, rank)
+        x, y = batches.next()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         ckpt.report_step(step, loss=loss.item())
-        emit(event="step", step=step, loss=loss.item(), params_crc=params_crc(model))
+        mine = (loss.item(), params_crc(model), rng_crc())
+        emit(event="step", step=step, loss=mine[0], params_crc=mine[1], rng=mine[2],
+             replay=None if step not in earlier else earlier[step] == mine)
         if ckpt.should_stop(step):  # a planned hand-over: a final checkpoint of this very step
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
             emit(event="handover", step=step)

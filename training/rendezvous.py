@@ -61,8 +61,9 @@ _POLL_S = 0.2
 class FtdRendezvousHandler(RendezvousHandler):
     def __init__(self, job: str, endpoints: str, node_id: str, local_addr: str, min_nodes: int, max_nodes: int,
                  max_restarts: int = 10, join_timeout_s: float = 600.0, store_timeout_s: float = 300.0,
-                 agent_socket: str | None = None, pki_dir: str | None = None) -> None:
+                 agent_socket: str | None = None, pki_dir: str | None = None, on_no_spare: str = "shrink") -> None:
         self.job = job
+        self.on_no_spare = on_no_spare  # the job's setting, sent with every JoinRound
         self.node_id = node_id
         self.local_addr = local_addr
         self.min_nodes = min_nodes
@@ -91,7 +92,7 @@ class FtdRendezvousHandler(RendezvousHandler):
         while True:
             info = self._call("JoinRound", coordinator_pb2.JoinRoundRequest(
                 job=self.job, node_id=self.node_id, last_round=self._round, min_nodes=self.min_nodes,
-                max_nodes=self.max_nodes, max_restarts=self.max_restarts))
+                max_nodes=self.max_nodes, max_restarts=self.max_restarts, on_no_spare=self.on_no_spare))
             if info.status == coordinator_pb2.RoundInfo.CLOSED:
                 raise RendezvousClosedError(info.message)
             if info.status == coordinator_pb2.RoundInfo.READY:
@@ -210,6 +211,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         join_timeout_s=float(params.get_as_int("join_timeout", 600) or 600),
         store_timeout_s=float(params.get_as_int("store_timeout", 300) or 300),
         pki_dir=params.get("pki_dir") or None,
+        on_no_spare=str(params.get("on_no_spare") or "shrink"),
     )
 
 

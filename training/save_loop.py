@@ -47,7 +47,10 @@ from ftd.storage_backends.tiers import Tier
 from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
-from .snapshot import Snapshotter
+from .dcp_io import save_dcp
+from .rank_state import RankState
+from .rank_state import write as write_rank_state
+from .snapshot import Snapshotter, owning_storages
 
 log = logging.getLogger("ftd.training.checkpoint")
 _FAILPOINT_ENV = "FTD_FAILPOINTS"
@@ -71,6 +74,15 @@ def failpoint(name: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """What one save writes: the state as snapshotted, and this rank's RNG states and data loader
+    position captured with it (:mod:`.rank_state`; ``None`` when the job keeps neither)."""
+
+    state: Any
+    extra: dict[str, Any] | None
+
+
 @dataclass
 class SaveResult:
     step: int
@@ -88,7 +100,8 @@ class SaveLoop:
     memory tier (a memory snapshot is then never asked for)."""
 
     def __init__(self, job: str, rank: int, world_size: int, epoch: int, fmt: str, agent: AgentLink, ssd: Tier,
-                 mem: Tier | None, cadence_text: str = "") -> None:
+                 mem: Tier | None, cadence_text: str = "", extra: RankState | None = None,
+                 snapshotter: Snapshotter | None = None) -> None:
         self.job, self.rank, self.world_size, self.epoch, self.format = job, rank, world_size, epoch, fmt
         self.agent = agent
         self.ssd = ssd
@@ -100,7 +113,8 @@ class SaveLoop:
         self.last_error = ""
         self.last_blocked_s = 0.0
         self.results: collections.deque[SaveResult] = collections.deque(maxlen=1000)
-        self._snap = Snapshotter()
+        self._snap = snapshotter if snapshotter is not None else Snapshotter()
+        self.extra = extra if extra is not None else RankState(rng=False)  # captured with every snapshot
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ftd-ckpt-persist")
         self._inflight: Future[SaveResult] | None = None
         self._buffers_free = threading.Event()  # set: no save is reading the snapshot buffers
@@ -112,6 +126,7 @@ class SaveLoop:
         self._unpinned = threading.Event()  # set: no durable copy is reading a memory snapshot
         self._unpinned.set()
         self._lock = threading.Lock()
+        self._quiet_at = time.monotonic()  # when the latest save's work (its write, commit, SSD copy) ended
 
     # ---- the training loop's side ----------------------------------------------------------------
 
@@ -126,7 +141,7 @@ class SaveLoop:
         self._buffers_free.wait()  # the previous save has read its snapshot (its commit may still run)
         self._buffers_free.clear()
         try:
-            snap = self._snap.snapshot(state_dict)
+            snap = _Snapshot(self._snap.snapshot(state_dict), self.extra.capture() if self.extra.enabled else None)
         except BaseException:
             self._buffers_free.set()
             raise
@@ -137,6 +152,26 @@ class SaveLoop:
                 functools.partial(self._persist, step, snap, blocked)
             self._inflight = self._pool.submit(self._releasing, task)
             return self._inflight
+
+    @property
+    def snapshot_alloc_s(self) -> float:
+        """How long the latest snapshot spent allocating its buffers."""
+        return self._snap.last_alloc_s
+
+    def prepare(self, state_dict: Any) -> int:
+        """The snapshot buffers laid out and allocated for ``state_dict`` now (:meth:`Snapshotter.prepare`),
+        so that no save stalls allocating them; returns their bytes."""
+        self._buffers_free.wait()
+        return self._snap.prepare(state_dict)
+
+    def quiet_since(self) -> float | None:
+        """Since when (``time.monotonic()``) no save has had work in flight here — its write,
+        checksum, commit, SSD copy — or ``None`` while one has: the cadence times the steps that ran
+        without snapshot work (:mod:`.cadence`)."""
+        with self._lock:
+            if any(f is not None and not f.done() for f in (self._inflight, self._durable)):
+                return None
+            return self._quiet_at
 
     def wait(self) -> SaveResult | None:
         """Blocks until the in-flight save (if any) is persisted and committed, its SSD copy too;
@@ -183,8 +218,9 @@ class SaveLoop:
             return task()
         finally:
             self._buffers_free.set()
+            self._quiet_at = time.monotonic()
 
-    def _persist(self, step: int, snap: Any, blocked: float) -> SaveResult:
+    def _persist(self, step: int, snap: _Snapshot, blocked: float) -> SaveResult:
         """A durable save: the shard written to the SSD and committed there."""
         result, started = self._start(step, blocked, self.ssd.name)
         with self._outcome(result, "disk_full"):
@@ -194,7 +230,7 @@ class SaveLoop:
             self._commit(result, manifest, self.ssd.name)
         return self._finish(result, started)
 
-    def _persist_memory(self, step: int, snap: Any, blocked: float, durable: bool) -> SaveResult:
+    def _persist_memory(self, step: int, snap: _Snapshot, blocked: float, durable: bool) -> SaveResult:
         """The memory snapshot: room made (the oldest of this rank's snapshots go), the budget
         checked, the shard written into the memory tier and committed there; then, for a durable
         step, the SSD copy queued (or, if the memory write failed, the SSD written directly)."""
@@ -240,6 +276,7 @@ class SaveLoop:
                              timeout_s=120.0 + manifest.total_bytes / HOP_FLOOR_BYTES_S)
             finally:
                 self._unpin(step)
+                self._quiet_at = time.monotonic()
         return self._finish(result, started)
 
     def _unpin(self, step: int) -> None:
@@ -284,7 +321,7 @@ class SaveLoop:
         with contextlib.suppress(AgentUnavailable, CatalogRefused):
             self.agent.report(self.rank, error=self.last_error, error_kind=kind)
 
-    def _write_shard(self, step: int, snap: Any, tier: Tier) -> ShardManifest:
+    def _write_shard(self, step: int, snap: _Snapshot, tier: Tier) -> ShardManifest:
         backend = tier.backend
         prefix = shard_prefix(self.job, step, self.rank)
         if backend.is_published(prefix, MANIFEST):
@@ -298,11 +335,11 @@ class SaveLoop:
             failpoint("ckpt.before_write")
             try:
                 if self.format == "torch":
-                    torch.save(snap, directory / "state.pt")
+                    torch.save(owning_storages(snap.state), directory / "state.pt")
                 else:
-                    from torch.distributed.checkpoint import state_dict_saver
-
-                    state_dict_saver.save(snap, checkpoint_id=str(directory), no_dist=True)
+                    save_dcp(snap.state, directory, self.rank)
+                if snap.extra is not None:
+                    write_rank_state(directory, snap.extra)
             except (OSError, RuntimeError) as exc:
                 raise _storage_error(backend, prefix, directory, exc) from exc
             failpoint("ckpt.after_write")

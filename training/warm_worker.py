@@ -15,9 +15,12 @@ the job's code it is a worker started by torchrun.
 to its launcher and ``stderr`` to the log; at once it keeps private duplicates of those two pipes and
 points fd 0 at ``/dev/null`` and fd 1 at the log, so the job's code sees an ordinary process.
 
-* worker -> launcher: ``{"event": "ready", "pid", "import_s", "startup_s", "entry", "protocol"}`` once
-  everything is imported (``startup_s``: since the process started, including the torch import of the
-  ``ftd.training`` package itself; ``import_s``: the entry's own imports after that);
+* worker -> launcher: ``{"event": "ready", "pid", "import_s", "startup_s", "entry", "protocol",
+  "prepared", "prepare_s"}`` once everything is imported and the job's ``prepare`` ran (``startup_s``:
+  since the process started, including the torch import of the ``ftd.training`` package itself;
+  ``import_s``: the entry's own imports after that; ``prepare_s``: its ``prepare``, ``null`` without
+  one; ``prepared``: whether a prepared context is held); ``{"event": "prepare_failed", "pid",
+  "message"}`` before that when ``prepare`` raised;
   ``{"event": "running", "pid", "t"}`` when the entry is called (``t``: wall-clock seconds);
   ``{"event": "error", "message"}`` before exiting 2 when the entry cannot be imported.
 * launcher -> worker: ``{"env": {NAME: VALUE, ...}, "argv": [...] | null}``: the assignment. ``argv``
@@ -30,6 +33,23 @@ Entries: ``MODULE:FUNCTION`` calls ``FUNCTION(argv)`` (``FUNCTION()`` when it ta
 module as ``__main__`` as ``python -m MODULE`` would; ``path/to/script.py`` runs the script as
 ``__main__`` (its own imports are then paid at activation, torch's are not). A return value that is an
 int is the exit code; ``None`` is 0; ``SystemExit`` is honoured; an exception is printed and exits 1.
+A script's directory comes first on ``sys.path``, as ``python script.py`` puts it.
+
+**The prepare hook** (:class:`JobEntry`): a job whose module (or script) defines both ``prepare`` and a
+``main`` that takes two arguments opts in. The standby calls ``prepare(argv)`` (``prepare()`` when it
+takes none) before it reports ready, with the arguments it was started with, and the activated worker
+then calls ``main(argv, prepared)`` with what it returned: the model built, data and compiled code
+ready, so that after the assignment only the process group, the sharding and the restore remain. While
+``prepare`` runs, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and the agent's ``FTD_*`` are set but no
+``RANK``, ``WORLD_SIZE``, ``MASTER_*`` or ``FTD_EPOCH``: it must not create the process group or the
+Checkpointer. A script is imported (as module ``__ftd_job__``, so its ``__main__`` block does not
+run) only when its source defines both functions at top level, which an :mod:`ast` parse checks first;
+any other script runs as ``__main__`` at activation, as before. ``main`` gets ``None`` as
+``prepared`` when ``prepare`` raised (the standby writes the traceback to its log, sends ``{"event":
+"prepare_failed", "message"}`` and reports ready all the same: the job then builds everything after
+its assignment, a cold start of the job's own setup with torch still imported) and when the assignment
+carries other arguments than the ones ``prepare`` saw; a ``main(argv, prepared=None)`` that calls
+``prepare`` itself then runs the same under torchrun or by hand.
 
 With ``FTD_WARM_BACKGROUND=1`` (a refill started while training runs) the imports run under
 ``SCHED_IDLE`` so that they take only CPU time nobody else wants (the pool sets the policy right after
@@ -41,8 +61,10 @@ wait is bounded: a standby that gets no assignment within ``--wait-s`` exits 0 a
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -54,7 +76,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, BinaryIO
 
 PROTOCOL = 1
@@ -66,6 +90,7 @@ ENV_BACKGROUND = "FTD_WARM_BACKGROUND"
 MAX_LINE = 1 << 20  # an assignment larger than this is refused (a runaway launcher, not a job)
 EXIT_IMPORT = 2  # the entry could not be imported
 EXIT_PROTOCOL = 3  # a malformed assignment, or the standby could not leave SCHED_IDLE
+SCRIPT_MODULE = "__ftd_job__"  # the module name of a script imported ahead for its prepare()
 
 
 class ProtocolError(ValueError):
@@ -231,39 +256,146 @@ class Channel:
         threading.Thread(target=watch, name="ftd-warm-launcher-watch", daemon=True).start()
 
 
-def load_entry(entry: str) -> Callable[[list[str]], object]:
-    """Imports the entry now; returns what runs it (called with the job's argv)."""
+@dataclass(frozen=True)
+class JobEntry:
+    """What a standby runs: ``run(argv, prepared)`` at activation and, when the job opts in (a
+    ``prepare`` next to a two-argument ``main``), ``prepare(argv)`` before it reports ready."""
+
+    name: str
+    run: Callable[[list[str], object], object]
+    prepare: Callable[[list[str]], object] | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The outcome of a job's ``prepare`` in a standby: the context, or why there is none."""
+
+    context: object = None
+    ok: bool = False
+    seconds: float | None = None  # None: the job has no prepare
+    argv: tuple[str, ...] = ()  # the arguments prepare saw
+    error: str = ""
+
+
+def script_opts_in(source: str) -> bool:
+    """Whether a script's source defines ``prepare`` and ``main`` at top level (then it is imported
+    ahead, its ``__main__`` block skipped); a script that does not parse does not opt in."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {"prepare", "main"} <= defined
+
+
+def takes_two_arguments(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called as ``fn(argv, prepared)``."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except (TypeError, ValueError):  # ValueError: no signature to tell
+        return False
+    return True
+
+
+def _call_with_argv(fn: Callable[..., Any], argv: list[str]) -> object:
+    return fn(argv) if takes_argument(fn) else fn()
+
+
+def _import_script(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(SCRIPT_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[SCRIPT_MODULE] = module  # its classes pickle by reference, as a module's do
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_entry(entry: str) -> JobEntry:
+    """Imports the entry now; returns what runs it (:class:`JobEntry`)."""
     kind, target, function = parse_entry(entry)
     if kind == "path":
-        def run_path(argv: list[str]) -> object:
+        script_dir = str(Path(target).resolve().parent)
+        if script_dir not in sys.path:
+            sys.path.insert(0, script_dir)  # as `python script.py` does
+        if script_opts_in(Path(target).read_text(errors="replace")):
+            return _function_entry(entry, target, _import_script(target), "main")
+
+        def run_path(argv: list[str], prepared: object) -> object:
             sys.argv = [target, *argv]
             runpy.run_path(target, run_name="__main__")
             return 0
 
-        return run_path
+        return JobEntry(entry, run_path)
     module = importlib.import_module(target)
-    fn = getattr(module, function or "main", None)
-    if function and not callable(fn):
-        raise AttributeError(f"module {target} has no callable {function}")
-    if not callable(fn):
-        def run_module(argv: list[str]) -> object:
+    if function is None and not callable(getattr(module, "main", None)):
+        def run_module(argv: list[str], prepared: object) -> object:
             sys.argv = [target, *argv]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
             return 0
 
-        return run_module
-    call_with_argv = takes_argument(fn)
+        return JobEntry(entry, run_module)
+    return _function_entry(entry, target, module, function or "main")
 
-    def run_function(argv: list[str]) -> object:
+
+def _function_entry(entry: str, target: str, module: ModuleType, function: str) -> JobEntry:
+    """``function`` of ``module``, with the module's ``prepare`` when ``function`` takes its result."""
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise AttributeError(f"module {target} has no callable {function}")
+    prepare = getattr(module, "prepare", None)
+    if callable(prepare) and not takes_two_arguments(fn):
+        print(f"warm worker {os.getpid()}: {target} defines prepare() but its {function}() takes no second "
+              f"argument for what prepare returned: prepare is not used", file=sys.stderr)
+        prepare = None
+    if not callable(prepare):
+        def run_function(argv: list[str], prepared: object) -> object:
+            sys.argv = [target, *argv]
+            return _call_with_argv(fn, argv)
+
+        return JobEntry(entry, run_function)
+
+    def run_prepared(argv: list[str], prepared: object) -> object:
         sys.argv = [target, *argv]
-        return fn(argv) if call_with_argv else fn()
+        return fn(argv, prepared)
 
-    return run_function
+    def prepare_job(argv: list[str]) -> object:
+        sys.argv = [target, *argv]
+        return _call_with_argv(prepare, argv)
+
+    return JobEntry(entry, run_prepared, prepare_job)
 
 
-def run_entry(run: Callable[[list[str]], object], argv: list[str]) -> int:
+def run_prepare(job: JobEntry, argv: list[str], clock: Callable[[], float] = time.monotonic) -> Prepared:
+    """Runs the job's ``prepare`` (if any); an exception is printed (the log) and returned as the error,
+    ``SystemExit`` too (argparse's on a bad flag): the job's ``main`` then meets it itself, as a
+    worker's failure its launcher sees."""
+    if job.prepare is None:
+        return Prepared()
+    started = clock()
     try:
-        return exit_code(run(argv))
+        context = job.prepare(list(argv))
+    except (Exception, SystemExit) as exc:
+        traceback.print_exc()
+        return Prepared(None, False, round(clock() - started, 4), tuple(argv), f"{type(exc).__name__}: {exc}")
+    return Prepared(context, True, round(clock() - started, 4), tuple(argv))
+
+
+def context_for(prepared: Prepared, argv: list[str]) -> object:
+    """What ``main`` receives as ``prepared``: the context, unless the assignment's arguments are not
+    the ones ``prepare`` saw (it was built for another job)."""
+    if not prepared.ok:
+        return None
+    if tuple(argv) != prepared.argv:
+        print(f"warm worker {os.getpid()}: the assignment's arguments {argv} are not the ones prepare() saw "
+              f"{list(prepared.argv)}: main runs without the prepared context", file=sys.stderr)
+        return None
+    return prepared.context
+
+
+def run_entry(job: JobEntry, argv: list[str], prepared: object = None) -> int:
+    try:
+        return exit_code(job.run(argv, prepared))
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exit_code(exc.code)
@@ -293,19 +425,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             print(f"warm worker {os.getpid()}: cannot preload {name}: {exc!r}", file=sys.stderr)
     try:
-        run = load_entry(args.entry)
+        job = load_entry(args.entry)
     except Exception as exc:
         traceback.print_exc()
         channel.send(event="error", pid=os.getpid(), message=f"cannot import {args.entry}: {exc!r}")
         return EXIT_IMPORT
     import_s = time.monotonic() - started
+    prepared = run_prepare(job, job_args)
+    if prepared.error:
+        channel.send(event="prepare_failed", pid=os.getpid(),
+                     message=f"prepare() of {args.entry} raised {prepared.error}; its main will build everything "
+                             f"after the assignment")
     if background and not _sched_normal():
         channel.send(event="error", pid=os.getpid(), message="cannot leave SCHED_IDLE")
         return EXIT_PROTOCOL
     os.environ.pop(ENV_BACKGROUND, None)
     age = process_age_s()
     if not channel.send(event="ready", pid=os.getpid(), import_s=round(import_s, 4),
-                        startup_s=None if age is None else round(age, 3), entry=args.entry, protocol=PROTOCOL):
+                        startup_s=None if age is None else round(age, 3), entry=args.entry, protocol=PROTOCOL,
+                        prepared=prepared.ok, prepare_s=prepared.seconds):
         return 0
     try:
         line = channel.read_line(args.wait_s)
@@ -321,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.update(env)
     channel.watch_eof()
     channel.send(event="running", pid=os.getpid(), t=time.time())
-    code = run_entry(run, job_args if assigned_argv is None else assigned_argv)
+    argv_now = job_args if assigned_argv is None else assigned_argv
+    code = run_entry(job, argv_now, context_for(prepared, argv_now))
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

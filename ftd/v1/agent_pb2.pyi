@@ -24,6 +24,38 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PullReplicaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    OFFER_FIELD_NUMBER: _builtins.int
+    source: _builtins.str
+    """the announcing node (the holder): the caller's own identity"""
+    @_builtins.property
+    def header(self) -> Global___WriteShardHeader:
+        """header.source == source"""
+
+    @_builtins.property
+    def offer(self) -> Global___OpenShardResponse:
+        """the holder's one-time offer of the shard's files, manifest last"""
+
+    def __init__(
+        self,
+        *,
+        source: _builtins.str = ...,
+        header: Global___WriteShardHeader | None = ...,
+        offer: Global___OpenShardResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "offer", b"offer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "offer", b"offer", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullReplicaRequest: _TypeAlias = PullReplicaRequest  # noqa: Y015
+
+@_typing.final
 class OpenShardResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -622,6 +654,7 @@ class ReportProgressRequest(_message.Message):
     CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ERROR_KIND_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     checkpoint_error: _builtins.str
     """a save that failed on this rank (e.g. no space left on the SSD tier)"""
@@ -631,6 +664,12 @@ class ReportProgressRequest(_message.Message):
     def progress(self) -> _cluster_pb2.Progress: ...
     @_builtins.property
     def checkpoint(self) -> Global___CheckpointEvent: ...
+    @_builtins.property
+    def restored(self) -> _cluster_pb2.Restored:
+        """What this rank restored at its start (ftd.training.Checkpointer.load_latest); may come without
+        progress (before the first step). The agent keeps it in its progress until a newer one comes.
+        """
+
     def __init__(
         self,
         *,
@@ -639,10 +678,11 @@ class ReportProgressRequest(_message.Message):
         checkpoint_error: _builtins.str = ...,
         checkpoint_error_kind: _builtins.str = ...,
         checkpoint: Global___CheckpointEvent | None = ...,
+        restored: _cluster_pb2.Restored | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "progress", b"progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "progress", b"progress", "restored", b"restored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_error", b"checkpoint_error", "checkpoint_error_kind", b"checkpoint_error_kind", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_error", b"checkpoint_error", "checkpoint_error_kind", b"checkpoint_error_kind", "progress", b"progress", "rank", b"rank", "restored", b"restored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

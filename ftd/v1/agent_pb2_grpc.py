@@ -111,6 +111,11 @@ class AgentStub:
                 request_serializer=ftd_dot_v1_dot_agent__pb2.ReadShardRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_agent__pb2.OpenShardResponse.FromString,
                 _registered_method=True)
+        self.PullReplica = channel.unary_unary(
+                '/ftd.v1.Agent/PullReplica',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.PullReplicaRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.WriteShardResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -232,6 +237,19 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullReplica(self, request, context):
+        """Agent to agent: the fast path of WriteShard. The holder announces a memory snapshot of one of its
+        ranks with a one-time offer on its bulk port (as OpenShard answers one); the buddy checks the
+        header against its budget, pulls the files over that connection into its memory tier (every
+        file's CRC32C checked against the holder's manifest as it lands, the manifest checked against
+        what arrived and published last) and records its copy itself, as WriteShard does. `source` must
+        be the caller's own node. UNIMPLEMENTED when the buddy has no fast path or the pull failed: the
+        holder pushes the snapshot with WriteShard instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -309,6 +327,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.OpenShard,
                     request_deserializer=ftd_dot_v1_dot_agent__pb2.ReadShardRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_agent__pb2.OpenShardResponse.SerializeToString,
+            ),
+            'PullReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullReplica,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.PullReplicaRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.WriteShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -716,6 +739,33 @@ class Agent:
             '/ftd.v1.Agent/OpenShard',
             ftd_dot_v1_dot_agent__pb2.ReadShardRequest.SerializeToString,
             ftd_dot_v1_dot_agent__pb2.OpenShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/PullReplica',
+            ftd_dot_v1_dot_agent__pb2.PullReplicaRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.WriteShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

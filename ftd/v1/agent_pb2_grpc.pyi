@@ -84,6 +84,15 @@ class AgentStub:
     reads the files in AES-GCM records sealed with `key` (given only here, over mTLS). NOT_FOUND when
     the copy is not here; UNIMPLEMENTED for a tier that is no directory (use ReadShard).
     """
+    PullReplica: _grpc.UnaryUnaryMultiCallable[_agent_pb2.PullReplicaRequest, _agent_pb2.WriteShardResponse]
+    """Agent to agent: the fast path of WriteShard. The holder announces a memory snapshot of one of its
+    ranks with a one-time offer on its bulk port (as OpenShard answers one); the buddy checks the
+    header against its budget, pulls the files over that connection into its memory tier (every
+    file's CRC32C checked against the holder's manifest as it lands, the manifest checked against
+    what arrived and published last) and records its copy itself, as WriteShard does. `source` must
+    be the caller's own node. UNIMPLEMENTED when the buddy has no fast path or the pull failed: the
+    holder pushes the snapshot with WriteShard instead.
+    """
 
 @_typing.type_check_only
 class AgentAsyncStub(AgentStub):
@@ -136,6 +145,15 @@ class AgentAsyncStub(AgentStub):
     once and for a minute, on a dedicated TCP connection (`port`): the receiver sends `transfer`, then
     reads the files in AES-GCM records sealed with `key` (given only here, over mTLS). NOT_FOUND when
     the copy is not here; UNIMPLEMENTED for a tier that is no directory (use ReadShard).
+    """
+    PullReplica: _aio.UnaryUnaryMultiCallable[_agent_pb2.PullReplicaRequest, _agent_pb2.WriteShardResponse]  # type: ignore[assignment]
+    """Agent to agent: the fast path of WriteShard. The holder announces a memory snapshot of one of its
+    ranks with a one-time offer on its bulk port (as OpenShard answers one); the buddy checks the
+    header against its budget, pulls the files over that connection into its memory tier (every
+    file's CRC32C checked against the holder's manifest as it lands, the manifest checked against
+    what arrived and published last) and records its copy itself, as WriteShard does. `source` must
+    be the caller's own node. UNIMPLEMENTED when the buddy has no fast path or the pull failed: the
+    holder pushes the snapshot with WriteShard instead.
     """
 
 class AgentServicer(metaclass=_abc_1.ABCMeta):
@@ -276,6 +294,21 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         once and for a minute, on a dedicated TCP connection (`port`): the receiver sends `transfer`, then
         reads the files in AES-GCM records sealed with `key` (given only here, over mTLS). NOT_FOUND when
         the copy is not here; UNIMPLEMENTED for a tier that is no directory (use ReadShard).
+        """
+
+    @_abc_1.abstractmethod
+    def PullReplica(
+        self,
+        request: _agent_pb2.PullReplicaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.WriteShardResponse, _abc.Awaitable[_agent_pb2.WriteShardResponse]]:
+        """Agent to agent: the fast path of WriteShard. The holder announces a memory snapshot of one of its
+        ranks with a one-time offer on its bulk port (as OpenShard answers one); the buddy checks the
+        header against its budget, pulls the files over that connection into its memory tier (every
+        file's CRC32C checked against the holder's manifest as it lands, the manifest checked against
+        what arrived and published last) and records its copy itself, as WriteShard does. `source` must
+        be the caller's own node. UNIMPLEMENTED when the buddy has no fast path or the pull failed: the
+        holder pushes the snapshot with WriteShard instead.
         """
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -258,6 +258,7 @@ class CommitShardRequest(_message.Message):
     LOCATION_FIELD_NUMBER: _builtins.int
     CADENCE_FIELD_NUMBER: _builtins.int
     FROM_TIER_FIELD_NUMBER: _builtins.int
+    RESTORED_STEP_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     location: _builtins.str
     cadence: _builtins.str
@@ -269,6 +270,11 @@ class CommitShardRequest(_message.Message):
     snapshot of a durable step); the agent copies them to `tier` (every file checked against the
     manifest) before it commits there. The agent clears it before forwarding.
     """
+    restored_step: _builtins.int
+    """The step the saving world restored when it started (-1: none, it started from scratch); absent:
+    not known (an older training side). A shard of a newer epoch abandons the older epochs' steps
+    newer than this one only (the abandoned timeline), never the step the world restored or older.
+    """
     @_builtins.property
     def manifest(self) -> Global___ShardManifest: ...
     def __init__(
@@ -279,12 +285,15 @@ class CommitShardRequest(_message.Message):
         location: _builtins.str = ...,
         cadence: _builtins.str = ...,
         from_tier: _builtins.str = ...,
+        restored_step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "manifest", b"manifest", "restored_step", b"restored_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cadence", b"cadence", "from_tier", b"from_tier", "location", b"location", "manifest", b"manifest", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "cadence", b"cadence", "from_tier", b"from_tier", "location", b"location", "manifest", b"manifest", "restored_step", b"restored_step", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__restored_step: _TypeAlias = _typing.Literal["restored_step"]  # noqa: Y015
+    _WhichOneofArgType__restored_step: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restored_step) -> _WhichOneofReturnType__restored_step | None: ...
 
 Global___CommitShardRequest: _TypeAlias = CommitShardRequest  # noqa: Y015
 
@@ -455,6 +464,7 @@ class GetRestoreTargetRequest(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     REPLICATED_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     world_size: _builtins.int
     """The world size of the restoring job (0: any). Set, the newest restorable step saved with this
@@ -467,16 +477,22 @@ class GetRestoreTargetRequest(_message.Message):
     reach (on a dead node) reads another rank's. False: every rank needs a reachable copy of its own
     shard (a sharded job), else the newest fully reachable step is the target and the reason says why.
     """
+    format: _builtins.str
+    """The restoring job's checkpoint format ("torch", "dcp"; "": not said). With "dcp" a step saved in
+    dcp with another world size is restorable too (DCP reshards it at load time): the newest
+    restorable step of any world size is the target.
+    """
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         world_size: _builtins.int = ...,
         replicated: _builtins.bool = ...,
+        format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "replicated", b"replicated", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "job", b"job", "replicated", b"replicated", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -489,8 +505,13 @@ class RestoreTarget(_message.Message):
     FOUND_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    RESHARDED_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
     reason: _builtins.str
+    resharded: _builtins.bool
+    """The target was saved with another world size than the request's: the restore reshards it (dcp)
+    or reads another rank's copy (replicated).
+    """
     @_builtins.property
     def checkpoint(self) -> Global___CheckpointInfo: ...
     def __init__(
@@ -499,10 +520,11 @@ class RestoreTarget(_message.Message):
         found: _builtins.bool = ...,
         checkpoint: Global___CheckpointInfo | None = ...,
         reason: _builtins.str = ...,
+        resharded: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "found", b"found", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "found", b"found", "reason", b"reason", "resharded", b"resharded"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

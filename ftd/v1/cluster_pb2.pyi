@@ -256,6 +256,7 @@ class Progress(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     GRAD_NORM_FIELD_NUMBER: _builtins.int
     FLOPS_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """-1 when no step was reported yet"""
     reported_unix_s: _builtins.float
@@ -268,6 +269,12 @@ class Progress(_message.Message):
     a rate. The agent divides by the measured step time and the GPU's peak (agent/mfu.py) for
     ftd_agent_training_mfu_ratio. Absent: no MFU.
     """
+    @_builtins.property
+    def restored(self) -> Global___Restored:
+        """What the training restored when its current world started (ftd.training.Checkpointer.load_latest,
+        reported by the training side): kept by the agent until a newer restore is reported.
+        """
+
     def __init__(
         self,
         *,
@@ -276,10 +283,11 @@ class Progress(_message.Message):
         loss: _builtins.float | None = ...,
         grad_norm: _builtins.float | None = ...,
         flops: _builtins.float | None = ...,
+        restored: Global___Restored | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "restored", b"restored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "reported_unix_s", b"reported_unix_s", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__flops: _TypeAlias = _typing.Literal["flops"]  # noqa: Y015
     _WhichOneofArgType__flops: _TypeAlias = _typing.Literal["_flops", b"_flops"]  # noqa: Y015
@@ -287,14 +295,64 @@ class Progress(_message.Message):
     _WhichOneofArgType__grad_norm: _TypeAlias = _typing.Literal["_grad_norm", b"_grad_norm"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    _WhichOneofReturnType__restored: _TypeAlias = _typing.Literal["restored"]  # noqa: Y015
+    _WhichOneofArgType__restored: _TypeAlias = _typing.Literal["_restored", b"_restored"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__flops) -> _WhichOneofReturnType__flops | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_norm) -> _WhichOneofReturnType__grad_norm | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restored) -> _WhichOneofReturnType__restored | None: ...
 
 Global___Progress: _TypeAlias = Progress  # noqa: Y015
+
+@_typing.final
+class Restored(_message.Message):
+    """One restore of the training side: what a new world actually resumed from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    SAVED_WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    AT_UNIX_S_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """the checkpoint step restored; -1: none, the training started from scratch"""
+    source: _builtins.str
+    """the copy read, e.g. "mem@node-2", "hdd@shared (resharded from world size 4)" """
+    epoch: _builtins.int
+    """the world epoch of the restoring process"""
+    world_size: _builtins.int
+    """of the restoring world"""
+    saved_world_size: _builtins.int
+    """of the world that saved the step (differs: resharded)"""
+    at_unix_s: _builtins.float
+    """when the restore finished (wall clock of the training process)"""
+    rank: _builtins.int
+    """the reporting rank"""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        source: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        saved_world_size: _builtins.int = ...,
+        at_unix_s: _builtins.float = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_s", b"at_unix_s", "epoch", b"epoch", "rank", b"rank", "saved_world_size", b"saved_world_size", "source", b"source", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Restored: _TypeAlias = Restored  # noqa: Y015
 
 @_typing.final
 class Assignment(_message.Message):

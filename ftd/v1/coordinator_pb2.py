@@ -26,7 +26,7 @@ from ftd.v1 import checkpoint_pb2 as ftd_dot_v1_dot_checkpoint__pb2
 from ftd.v1 import cluster_pb2 as ftd_dot_v1_dot_cluster__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66td/v1/coordinator.proto\x12\x06\x66td.v1\x1a\x17\x66td/v1/checkpoint.proto\x1a\x14\x66td/v1/cluster.proto\"H\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x03 \x01(\x01\"2\n\rDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x80\x01\n\x10JoinRoundRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nlast_round\x18\x03 \x01(\x03\x12\x11\n\tmin_nodes\x18\x04 \x01(\r\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x14\n\x0cmax_restarts\x18\x06 \x01(\r\"\xa4\x02\n\tRoundInfo\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.ftd.v1.RoundInfo.Status\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x15\n\rstore_address\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x10\n\x08restarts\x18\t \x01(\r\x12\x14\n\x0cmax_restarts\x18\n \x01(\r\x12\r\n\x05spare\x18\x0b \x01(\x08\"A\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\x08\n\x04WAIT\x10\x02\x12\n\n\x06\x43LOSED\x10\x03\"\x1e\n\x0fGetRoundRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"T\n\x14SetRoundStoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\".\n\x0f\x43loseJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"e\n\x11ReportHangRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63ulprit\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlast_step\x18\x05 \x01(\x03\"$\n\x12ReportHangResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\"\xe9\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x1a\n\x04role\x18\x03 \x01(\x0e\x32\x0c.ftd.v1.Role\x12\x33\n\x06labels\x18\x04 \x03(\x0b\x32#.ftd.v1.RegisterRequest.LabelsEntry\x12\x15\n\ragent_address\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x10RegisterResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9e\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0bknown_epoch\x18\x03 \x01(\x04\x12\x1e\n\x06health\x18\x04 \x01(\x0b\x32\x0e.ftd.v1.Health\x12\"\n\x08progress\x18\x05 \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x0b\n\x03seq\x18\x06 \x01(\x04\"y\n\x11HeartbeatResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x11\n\tleader_id\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x03(\t\x12\x17\n\x0f\x64raining_reason\x18\x04 \x01(\t\"\x12\n\x10GetStatusRequest\"\x86\x04\n\rClusterStatus\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05world\x18\x04 \x03(\t\x12\x19\n\x11target_world_size\x18\x05 \x01(\r\x12\x0e\n\x06spares\x18\x06 \x03(\t\x12\x0c\n\x04\x64\x65\x61\x64\x18\x07 \x03(\t\x12\x0f\n\x07suspect\x18\x08 \x03(\t\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\n \x01(\t\x12\x1a\n\x12last_change_reason\x18\x0b \x01(\t\x12\x1a\n\x12last_change_unix_s\x18\x0c \x01(\x01\x12\x1b\n\x13leader_since_unix_s\x18\r \x01(\x01\x12\x16\n\x0e\x65tcd_reachable\x18\x0e \x01(\x08\x12\x0b\n\x03job\x18\x0f \x01(\t\x12\x11\n\tjob_round\x18\x10 \x01(\x04\x12\x14\n\x0cjob_restarts\x18\x11 \x01(\r\x12\x18\n\x10job_max_restarts\x18\x12 \x01(\r\x12\x12\n\njob_closed\x18\x13 \x01(\x08\x12\x13\n\x0bjob_message\x18\x14 \x01(\t\x12\x18\n\x10job_round_unix_s\x18\x15 \x01(\x01\x12\x10\n\x08\x64raining\x18\x16 \x03(\t\x12\x10\n\x08problems\x18\x17 \x03(\t\x12\x13\n\x0b\x65tcd_alarms\x18\x18 \x03(\t\"9\n\x10ListNodesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"\xfd\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x1a\n\x04role\x18\x04 \x01(\x0e\x32\x0c.ftd.v1.Role\x12 \n\x05state\x18\x05 \x01(\x0e\x32\x11.ftd.v1.NodeState\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1c\n\x14last_heartbeat_age_s\x18\x08 \x01(\x01\x12,\n\x06labels\x18\t \x03(\x0b\x32\x1c.ftd.v1.NodeInfo.LabelsEntry\x12\x15\n\ragent_address\x18\n \x01(\t\x12\x1e\n\x06health\x18\x0b \x01(\x0b\x32\x0e.ftd.v1.Health\x12\"\n\x08progress\x18\x0c \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x14\n\x0cstate_reason\x18\r \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.ftd.v1.NodeInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\\\n\x11ListEventsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\tafter_seq\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_after_seq\"L\n\x12ListEventsResponse\x12\x1d\n\x06\x65vents\x18\x01 \x03(\x0b\x32\r.ftd.v1.Event\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xff\x08\n\x0b\x43oordinator\x12=\n\x08Register\x12\x17.ftd.v1.RegisterRequest\x1a\x18.ftd.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x18.ftd.v1.HeartbeatRequest\x1a\x19.ftd.v1.HeartbeatResponse(\x01\x30\x01\x12<\n\tGetStatus\x12\x18.ftd.v1.GetStatusRequest\x1a\x15.ftd.v1.ClusterStatus\x12@\n\tListNodes\x12\x18.ftd.v1.ListNodesRequest\x1a\x19.ftd.v1.ListNodesResponse\x12\x43\n\nListEvents\x12\x19.ftd.v1.ListEventsRequest\x1a\x1a.ftd.v1.ListEventsResponse\x12\x46\n\x0b\x43ommitShard\x12\x1a.ftd.v1.CommitShardRequest\x1a\x1b.ftd.v1.CommitShardResponse\x12\x43\n\nRecordCopy\x12\x19.ftd.v1.RecordCopyRequest\x1a\x1a.ftd.v1.RecordCopyResponse\x12S\n\x14InvalidateCheckpoint\x12#.ftd.v1.InvalidateCheckpointRequest\x1a\x16.ftd.v1.CheckpointInfo\x12R\n\x0fListCheckpoints\x12\x1e.ftd.v1.ListCheckpointsRequest\x1a\x1f.ftd.v1.ListCheckpointsResponse\x12J\n\x10GetRestoreTarget\x12\x1f.ftd.v1.GetRestoreTargetRequest\x1a\x15.ftd.v1.RestoreTarget\x12=\n\x08Rollback\x12\x17.ftd.v1.RollbackRequest\x1a\x18.ftd.v1.RollbackResponse\x12\x38\n\tJoinRound\x12\x18.ftd.v1.JoinRoundRequest\x1a\x11.ftd.v1.RoundInfo\x12\x36\n\x08GetRound\x12\x17.ftd.v1.GetRoundRequest\x1a\x11.ftd.v1.RoundInfo\x12@\n\rSetRoundStore\x12\x1c.ftd.v1.SetRoundStoreRequest\x1a\x11.ftd.v1.RoundInfo\x12\x36\n\x08\x43loseJob\x12\x17.ftd.v1.CloseJobRequest\x1a\x11.ftd.v1.RoundInfo\x12\x43\n\nReportHang\x12\x19.ftd.v1.ReportHangRequest\x1a\x1a.ftd.v1.ReportHangResponse\x12\x34\n\x05\x44rain\x12\x14.ftd.v1.DrainRequest\x1a\x15.ftd.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66td/v1/coordinator.proto\x12\x06\x66td.v1\x1a\x17\x66td/v1/checkpoint.proto\x1a\x14\x66td/v1/cluster.proto\"H\n\x0c\x44rainRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x03 \x01(\x01\"2\n\rDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x95\x01\n\x10JoinRoundRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x12\n\nlast_round\x18\x03 \x01(\x03\x12\x11\n\tmin_nodes\x18\x04 \x01(\r\x12\x11\n\tmax_nodes\x18\x05 \x01(\r\x12\x14\n\x0cmax_restarts\x18\x06 \x01(\r\x12\x13\n\x0bon_no_spare\x18\x07 \x01(\t\"\xa4\x02\n\tRoundInfo\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.ftd.v1.RoundInfo.Status\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x15\n\rstore_address\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x10\n\x08restarts\x18\t \x01(\r\x12\x14\n\x0cmax_restarts\x18\n \x01(\r\x12\r\n\x05spare\x18\x0b \x01(\x08\"A\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\x08\n\x04WAIT\x10\x02\x12\n\n\x06\x43LOSED\x10\x03\"\x1e\n\x0fGetRoundRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"T\n\x14SetRoundStoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\".\n\x0f\x43loseJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"e\n\x11ReportHangRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63ulprit\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tlast_step\x18\x05 \x01(\x03\"$\n\x12ReportHangResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\"\xe9\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x1a\n\x04role\x18\x03 \x01(\x0e\x32\x0c.ftd.v1.Role\x12\x33\n\x06labels\x18\x04 \x03(\x0b\x32#.ftd.v1.RegisterRequest.LabelsEntry\x12\x15\n\ragent_address\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\x12\x13\n\x0bincarnation\x18\x07 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x10RegisterResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9e\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0bknown_epoch\x18\x03 \x01(\x04\x12\x1e\n\x06health\x18\x04 \x01(\x0b\x32\x0e.ftd.v1.Health\x12\"\n\x08progress\x18\x05 \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x0b\n\x03seq\x18\x06 \x01(\x04\"y\n\x11HeartbeatResponse\x12&\n\nassignment\x18\x01 \x01(\x0b\x32\x12.ftd.v1.Assignment\x12\x11\n\tleader_id\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x03(\t\x12\x17\n\x0f\x64raining_reason\x18\x04 \x01(\t\"\x12\n\x10GetStatusRequest\"\x9f\x04\n\rClusterStatus\x12\x11\n\tleader_id\x18\x01 \x01(\t\x12\x16\n\x0eleader_address\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05world\x18\x04 \x03(\t\x12\x19\n\x11target_world_size\x18\x05 \x01(\r\x12\x0e\n\x06spares\x18\x06 \x03(\t\x12\x0c\n\x04\x64\x65\x61\x64\x18\x07 \x03(\t\x12\x0f\n\x07suspect\x18\x08 \x03(\t\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\n \x01(\t\x12\x1a\n\x12last_change_reason\x18\x0b \x01(\t\x12\x1a\n\x12last_change_unix_s\x18\x0c \x01(\x01\x12\x1b\n\x13leader_since_unix_s\x18\r \x01(\x01\x12\x16\n\x0e\x65tcd_reachable\x18\x0e \x01(\x08\x12\x0b\n\x03job\x18\x0f \x01(\t\x12\x11\n\tjob_round\x18\x10 \x01(\x04\x12\x14\n\x0cjob_restarts\x18\x11 \x01(\r\x12\x18\n\x10job_max_restarts\x18\x12 \x01(\r\x12\x12\n\njob_closed\x18\x13 \x01(\x08\x12\x13\n\x0bjob_message\x18\x14 \x01(\t\x12\x18\n\x10job_round_unix_s\x18\x15 \x01(\x01\x12\x10\n\x08\x64raining\x18\x16 \x03(\t\x12\x10\n\x08problems\x18\x17 \x03(\t\x12\x13\n\x0b\x65tcd_alarms\x18\x18 \x03(\t\x12\x17\n\x0fjob_on_no_spare\x18\x19 \x01(\t\"9\n\x10ListNodesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"\xfd\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x1a\n\x04role\x18\x04 \x01(\x0e\x32\x0c.ftd.v1.Role\x12 \n\x05state\x18\x05 \x01(\x0e\x32\x11.ftd.v1.NodeState\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1c\n\x14last_heartbeat_age_s\x18\x08 \x01(\x01\x12,\n\x06labels\x18\t \x03(\x0b\x32\x1c.ftd.v1.NodeInfo.LabelsEntry\x12\x15\n\ragent_address\x18\n \x01(\t\x12\x1e\n\x06health\x18\x0b \x01(\x0b\x32\x0e.ftd.v1.Health\x12\"\n\x08progress\x18\x0c \x01(\x0b\x32\x10.ftd.v1.Progress\x12\x14\n\x0cstate_reason\x18\r \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.ftd.v1.NodeInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\\\n\x11ListEventsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x16\n\tafter_seq\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0c\n\n_after_seq\"L\n\x12ListEventsResponse\x12\x1d\n\x06\x65vents\x18\x01 \x03(\x0b\x32\r.ftd.v1.Event\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xff\x08\n\x0b\x43oordinator\x12=\n\x08Register\x12\x17.ftd.v1.RegisterRequest\x1a\x18.ftd.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x18.ftd.v1.HeartbeatRequest\x1a\x19.ftd.v1.HeartbeatResponse(\x01\x30\x01\x12<\n\tGetStatus\x12\x18.ftd.v1.GetStatusRequest\x1a\x15.ftd.v1.ClusterStatus\x12@\n\tListNodes\x12\x18.ftd.v1.ListNodesRequest\x1a\x19.ftd.v1.ListNodesResponse\x12\x43\n\nListEvents\x12\x19.ftd.v1.ListEventsRequest\x1a\x1a.ftd.v1.ListEventsResponse\x12\x46\n\x0b\x43ommitShard\x12\x1a.ftd.v1.CommitShardRequest\x1a\x1b.ftd.v1.CommitShardResponse\x12\x43\n\nRecordCopy\x12\x19.ftd.v1.RecordCopyRequest\x1a\x1a.ftd.v1.RecordCopyResponse\x12S\n\x14InvalidateCheckpoint\x12#.ftd.v1.InvalidateCheckpointRequest\x1a\x16.ftd.v1.CheckpointInfo\x12R\n\x0fListCheckpoints\x12\x1e.ftd.v1.ListCheckpointsRequest\x1a\x1f.ftd.v1.ListCheckpointsResponse\x12J\n\x10GetRestoreTarget\x12\x1f.ftd.v1.GetRestoreTargetRequest\x1a\x15.ftd.v1.RestoreTarget\x12=\n\x08Rollback\x12\x17.ftd.v1.RollbackRequest\x1a\x18.ftd.v1.RollbackResponse\x12\x38\n\tJoinRound\x12\x18.ftd.v1.JoinRoundRequest\x1a\x11.ftd.v1.RoundInfo\x12\x36\n\x08GetRound\x12\x17.ftd.v1.GetRoundRequest\x1a\x11.ftd.v1.RoundInfo\x12@\n\rSetRoundStore\x12\x1c.ftd.v1.SetRoundStoreRequest\x1a\x11.ftd.v1.RoundInfo\x12\x36\n\x08\x43loseJob\x12\x17.ftd.v1.CloseJobRequest\x1a\x11.ftd.v1.RoundInfo\x12\x43\n\nReportHang\x12\x19.ftd.v1.ReportHangRequest\x1a\x1a.ftd.v1.ReportHangResponse\x12\x34\n\x05\x44rain\x12\x14.ftd.v1.DrainRequest\x1a\x15.ftd.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,47 +42,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAINRESPONSE']._serialized_start=157
   _globals['_DRAINRESPONSE']._serialized_end=207
   _globals['_JOINROUNDREQUEST']._serialized_start=210
-  _globals['_JOINROUNDREQUEST']._serialized_end=338
-  _globals['_ROUNDINFO']._serialized_start=341
-  _globals['_ROUNDINFO']._serialized_end=633
-  _globals['_ROUNDINFO_STATUS']._serialized_start=568
-  _globals['_ROUNDINFO_STATUS']._serialized_end=633
-  _globals['_GETROUNDREQUEST']._serialized_start=635
-  _globals['_GETROUNDREQUEST']._serialized_end=665
-  _globals['_SETROUNDSTOREREQUEST']._serialized_start=667
-  _globals['_SETROUNDSTOREREQUEST']._serialized_end=751
-  _globals['_CLOSEJOBREQUEST']._serialized_start=753
-  _globals['_CLOSEJOBREQUEST']._serialized_end=799
-  _globals['_REPORTHANGREQUEST']._serialized_start=801
-  _globals['_REPORTHANGREQUEST']._serialized_end=902
-  _globals['_REPORTHANGRESPONSE']._serialized_start=904
-  _globals['_REPORTHANGRESPONSE']._serialized_end=940
-  _globals['_REGISTERREQUEST']._serialized_start=943
-  _globals['_REGISTERREQUEST']._serialized_end=1176
-  _globals['_REGISTERREQUEST_LABELSENTRY']._serialized_start=1131
-  _globals['_REGISTERREQUEST_LABELSENTRY']._serialized_end=1176
-  _globals['_REGISTERRESPONSE']._serialized_start=1178
-  _globals['_REGISTERRESPONSE']._serialized_end=1253
-  _globals['_HEARTBEATREQUEST']._serialized_start=1256
-  _globals['_HEARTBEATREQUEST']._serialized_end=1414
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1416
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1537
-  _globals['_GETSTATUSREQUEST']._serialized_start=1539
-  _globals['_GETSTATUSREQUEST']._serialized_end=1557
-  _globals['_CLUSTERSTATUS']._serialized_start=1560
-  _globals['_CLUSTERSTATUS']._serialized_end=2078
-  _globals['_LISTNODESREQUEST']._serialized_start=2080
-  _globals['_LISTNODESREQUEST']._serialized_end=2137
-  _globals['_NODEINFO']._serialized_start=2140
-  _globals['_NODEINFO']._serialized_end=2521
-  _globals['_NODEINFO_LABELSENTRY']._serialized_start=1131
-  _globals['_NODEINFO_LABELSENTRY']._serialized_end=1176
-  _globals['_LISTNODESRESPONSE']._serialized_start=2523
-  _globals['_LISTNODESRESPONSE']._serialized_end=2600
-  _globals['_LISTEVENTSREQUEST']._serialized_start=2602
-  _globals['_LISTEVENTSREQUEST']._serialized_end=2694
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=2696
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=2772
-  _globals['_COORDINATOR']._serialized_start=2775
-  _globals['_COORDINATOR']._serialized_end=3926
+  _globals['_JOINROUNDREQUEST']._serialized_end=359
+  _globals['_ROUNDINFO']._serialized_start=362
+  _globals['_ROUNDINFO']._serialized_end=654
+  _globals['_ROUNDINFO_STATUS']._serialized_start=589
+  _globals['_ROUNDINFO_STATUS']._serialized_end=654
+  _globals['_GETROUNDREQUEST']._serialized_start=656
+  _globals['_GETROUNDREQUEST']._serialized_end=686
+  _globals['_SETROUNDSTOREREQUEST']._serialized_start=688
+  _globals['_SETROUNDSTOREREQUEST']._serialized_end=772
+  _globals['_CLOSEJOBREQUEST']._serialized_start=774
+  _globals['_CLOSEJOBREQUEST']._serialized_end=820
+  _globals['_REPORTHANGREQUEST']._serialized_start=822
+  _globals['_REPORTHANGREQUEST']._serialized_end=923
+  _globals['_REPORTHANGRESPONSE']._serialized_start=925
+  _globals['_REPORTHANGRESPONSE']._serialized_end=961
+  _globals['_REGISTERREQUEST']._serialized_start=964
+  _globals['_REGISTERREQUEST']._serialized_end=1197
+  _globals['_REGISTERREQUEST_LABELSENTRY']._serialized_start=1152
+  _globals['_REGISTERREQUEST_LABELSENTRY']._serialized_end=1197
+  _globals['_REGISTERRESPONSE']._serialized_start=1199
+  _globals['_REGISTERRESPONSE']._serialized_end=1274
+  _globals['_HEARTBEATREQUEST']._serialized_start=1277
+  _globals['_HEARTBEATREQUEST']._serialized_end=1435
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1437
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1558
+  _globals['_GETSTATUSREQUEST']._serialized_start=1560
+  _globals['_GETSTATUSREQUEST']._serialized_end=1578
+  _globals['_CLUSTERSTATUS']._serialized_start=1581
+  _globals['_CLUSTERSTATUS']._serialized_end=2124
+  _globals['_LISTNODESREQUEST']._serialized_start=2126
+  _globals['_LISTNODESREQUEST']._serialized_end=2183
+  _globals['_NODEINFO']._serialized_start=2186
+  _globals['_NODEINFO']._serialized_end=2567
+  _globals['_NODEINFO_LABELSENTRY']._serialized_start=1152
+  _globals['_NODEINFO_LABELSENTRY']._serialized_end=1197
+  _globals['_LISTNODESRESPONSE']._serialized_start=2569
+  _globals['_LISTNODESRESPONSE']._serialized_end=2646
+  _globals['_LISTEVENTSREQUEST']._serialized_start=2648
+  _globals['_LISTEVENTSREQUEST']._serialized_end=2740
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=2742
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=2818
+  _globals['_COORDINATOR']._serialized_start=2821
+  _globals['_COORDINATOR']._serialized_end=3972
 # @@protoc_insertion_point(module_scope)

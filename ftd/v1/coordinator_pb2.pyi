@@ -85,6 +85,7 @@ class JoinRoundRequest(_message.Message):
     MIN_NODES_FIELD_NUMBER: _builtins.int
     MAX_NODES_FIELD_NUMBER: _builtins.int
     MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    ON_NO_SPARE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     node_id: _builtins.str
     last_round: _builtins.int
@@ -93,6 +94,11 @@ class JoinRoundRequest(_message.Message):
     max_nodes: _builtins.int
     max_restarts: _builtins.int
     """the job's restart budget (the first node to join sets it)"""
+    on_no_spare: _builtins.str
+    """What the job does when a node is lost and no spare takes its rank (the first node to join sets
+    it): "shrink" (or ""): it goes on with the smaller world (not below min_nodes), restoring the
+    newest step resharded; "wait": it waits until the world is back to its target size.
+    """
     def __init__(
         self,
         *,
@@ -102,10 +108,11 @@ class JoinRoundRequest(_message.Message):
         min_nodes: _builtins.int = ...,
         max_nodes: _builtins.int = ...,
         max_restarts: _builtins.int = ...,
+        on_no_spare: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "last_round", b"last_round", "max_nodes", b"max_nodes", "max_restarts", b"max_restarts", "min_nodes", b"min_nodes", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "last_round", b"last_round", "max_nodes", b"max_nodes", "max_restarts", b"max_restarts", "min_nodes", b"min_nodes", "node_id", b"node_id", "on_no_spare", b"on_no_spare"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -511,6 +518,7 @@ class ClusterStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     PROBLEMS_FIELD_NUMBER: _builtins.int
     ETCD_ALARMS_FIELD_NUMBER: _builtins.int
+    JOB_ON_NO_SPARE_FIELD_NUMBER: _builtins.int
     leader_id: _builtins.str
     leader_address: _builtins.str
     epoch: _builtins.int
@@ -533,6 +541,8 @@ class ClusterStatus(_message.Message):
     """why the round began, why the job waits, or why it closed"""
     job_round_unix_s: _builtins.float
     """when the current round began"""
+    job_on_no_spare: _builtins.str
+    """the job's "shrink" or "wait" (JoinRoundRequest.on_no_spare)"""
     @_builtins.property
     def world(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """node ids by rank"""
@@ -588,10 +598,11 @@ class ClusterStatus(_message.Message):
         draining: _abc.Iterable[_builtins.str] | None = ...,
         problems: _abc.Iterable[_builtins.str] | None = ...,
         etcd_alarms: _abc.Iterable[_builtins.str] | None = ...,
+        job_on_no_spare: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "draining", b"draining", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "problems", b"problems", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "draining", b"draining", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_on_no_spare", b"job_on_no_spare", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "problems", b"problems", "spares", b"spares", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
