@@ -85,6 +85,21 @@ class ReplicationMetrics:
                                  registry=r)
 
 
+def _announced(where: str, raw: bytes, ident: tuple[str, int, int], received: Expected) -> bytes:
+    """A replica's manifest (the last thing to arrive, by either path), accepted only when it is of the
+    shard that was announced and lists exactly the files that arrived."""
+    try:
+        manifest = ShardManifest.decode(where, raw)
+    except ManifestError as exc:
+        raise CopyCorrupt(str(exc)) from exc
+    if (manifest.job, manifest.step, manifest.rank) != ident:
+        raise BadRequest(f"the manifest is of {manifest.job} step {manifest.step} rank {manifest.rank}")
+    listed = files_of(manifest)
+    if listed != received:
+        raise CopyCorrupt(f"the files received {dict(received)} are not the manifest's {listed}")
+    return raw
+
+
 class _ReplicaSource(ChunkSource):
     """``WriteShard``'s body after the header: a chunk stream (:class:`~.peer_copy.ChunkSource`)
     whose manifest, last, must be of the header's shard and list exactly the files that arrived."""
@@ -100,17 +115,7 @@ class _ReplicaSource(ChunkSource):
             raise BadRequest(f"the replica sends more than the {self.declared} bytes its header declared")
 
     def manifest(self, received: Expected) -> bytes:
-        raw = super().manifest(received)
-        try:
-            manifest = ShardManifest.decode(self.where, raw)
-        except ManifestError as exc:
-            raise CopyCorrupt(str(exc)) from exc
-        if (manifest.job, manifest.step, manifest.rank) != self.ident:
-            raise BadRequest(f"the manifest is of {manifest.job} step {manifest.step} rank {manifest.rank}")
-        listed = files_of(manifest)
-        if listed != received:
-            raise CopyCorrupt(f"the files received {dict(received)} are not the manifest's {listed}")
-        return raw
+        return _announced(self.where, super().manifest(received), self.ident, received)
 
 
 def _chunks(messages: Iterator[agent_pb2.WriteShardChunk]) -> Iterator[agent_pb2.ShardChunk]:
@@ -297,17 +302,7 @@ class _PulledReplica(BulkSource):
         self.ident = ident
 
     def manifest(self, received: Expected) -> bytes:
-        raw = super().manifest(received)
-        try:
-            manifest = ShardManifest.decode(self.where, raw)
-        except ManifestError as exc:
-            raise CopyCorrupt(str(exc)) from exc
-        if (manifest.job, manifest.step, manifest.rank) != self.ident:
-            raise BadRequest(f"the manifest is of {manifest.job} step {manifest.step} rank {manifest.rank}")
-        listed = files_of(manifest)
-        if listed != received:
-            raise CopyCorrupt(f"the files received {dict(received)} are not the manifest's {listed}")
-        return raw
+        return _announced(self.where, super().manifest(received), self.ident, received)
 
 
 def caller_host(peer: str) -> str:
