@@ -1,10 +1,15 @@
-"""Test doubles shared by the test modules: a clock that moves only when told, and a proxy that
-corrupts one byte of a stream (the receiver's checks must catch it)."""
+"""Test doubles shared by the test modules: a clock that moves only when told, a proxy that corrupts
+one byte of a stream (the receiver's checks must catch it), and the catalog's answer to ``RecordCopy``
+for fakes of the coordinator that keep records in a dict."""
 
 from __future__ import annotations
 
 import socket
 import threading
+from typing import Any
+
+from ftd.checkpoints import catalog as rules
+from ftd.v1 import checkpoint_pb2
 
 
 class ManualClock:
@@ -38,3 +43,16 @@ def flipping_proxy(target: int, flip_at: int) -> tuple[socket.socket, threading.
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
     return listener, worker
+
+
+def record_copy(records: dict[int, Any],
+                request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
+    """What the coordinator's catalog does with a ``RecordCopy``, on ``records`` (step -> record): a copy
+    present and sound is added, any other is dropped (with its corrupt reason)."""
+    rec = records[request.step]
+    if request.present and not request.corrupt_reason:
+        records[request.step] = rules.add_copy(rec, request.rank, request.tier, request.location)
+    else:
+        records[request.step] = rules.drop_copy(rec, request.rank, request.tier, request.location,
+                                                request.corrupt_reason)
+    return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(records[request.step]))

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from doubles import record_copy
 
 from ftd import rpc
 from ftd.agent.errors import AgentError
@@ -189,13 +190,7 @@ class FakeCatalog:
             return checkpoint_pb2.ListCheckpointsResponse(
                 checkpoints=[rules.to_info(r) for _, r in sorted(self.records.items())])
         if method == "RecordCopy":
-            rec = self.records[request.step]
-            if request.present and not request.corrupt_reason:
-                self.records[request.step] = rules.add_copy(rec, request.rank, request.tier, request.location)
-            else:
-                self.records[request.step] = rules.drop_copy(rec, request.rank, request.tier, request.location,
-                                                             request.corrupt_reason)
-            return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(self.records[request.step]))
+            return record_copy(self.records, request)
         raise AssertionError(method)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from doubles import record_copy
 
 from ftd import rpc
 from ftd.agent import bulk_copy
@@ -48,13 +49,7 @@ class FakeCatalog:
 
     def __call__(self, method: str, request: Any) -> Any:
         assert method == "RecordCopy", method
-        rec = self.records[request.step]
-        if request.present and not request.corrupt_reason:
-            self.records[request.step] = rules.add_copy(rec, request.rank, request.tier, request.location)
-        else:
-            self.records[request.step] = rules.drop_copy(rec, request.rank, request.tier, request.location,
-                                                         request.corrupt_reason)
-        return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(self.records[request.step]))
+        return record_copy(self.records, request)
 
 
 class Agent(agent_pb2_grpc.AgentServicer):
