@@ -53,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,46 @@ from ftd.waiting import wait_for
 
 from _common import emit, percentile
 
-STEP_TIME = 0.2  # seconds per step: see docs/training.md#measured for 0.05
+STEP_TIME = 0.2  # seconds per step of the demo job: see docs/training.md#measured for 0.05
 PERSIST_EVERY = 1000  # durable checkpoints, both arms
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fsdp2_train.py"
+WORKLOADS = ("demo", "fsdp")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The training script both arms run, with its flags. ``demo``: ``ftd.training.demo_job`` (DDP, 1 rank
+    per node, paced); ``fsdp``: ``examples/fsdp2_train.py`` (FSDP2 ``fully_shard`` per block, Adam, the
+    state as ``get_state_dict`` gives it; ftd: DCP format through the Checkpointer, the standby's
+    ``prepare()`` building the model and reserving the snapshot buffers; torchrun: torch DCP's own
+    collective ``save``/``load`` to a shared directory every ``baseline_every`` steps, so that its restore
+    is a real DCP load)."""
+
+    name: str
+    nproc: int = 1
+    params: str = "38M"
+    step_time: float = STEP_TIME
+    baseline_every: int = 20
+    warmup_steps: int = 30  # trained before the first kill (fsdp: past torchrun's first DCP checkpoint)
+    between_steps: int = 20  # trained again between two kills
+
+    @property
+    def job(self) -> str:
+        return "demo" if self.name == "demo" else "fsdp2"
+
+    def ftd_cmd(self, out: Path, world: int) -> str:
+        if self.name == "demo":
+            return (f"-m ftd.training.demo_job --steps 1000000 --memory-every 1 --persist-every {PERSIST_EVERY} "
+                    f"--step-time {self.step_time} --out {out}")
+        return (f"{EXAMPLE} --params {self.params} --steps 1000000 --memory-every 1 --persist-every {PERSIST_EVERY}"
+                f" --reserve-world {world} --step-time {self.step_time} --job {self.job} --out {out}")
+
+    def torchrun_argv(self, out: Path, ckpt: Path) -> list[str]:
+        if self.name == "demo":
+            return ["-m", "ftd.training.demo_job", "--steps", "1000000", "--ckpt-every", str(PERSIST_EVERY),
+                    "--step-time", str(self.step_time), "--out", str(out), "--plain-ckpt", str(ckpt)]
+        return [str(EXAMPLE), "--params", self.params, "--steps", "1000000", "--no-ftd", "--plain-dcp", str(ckpt),
+                "--persist-every", str(self.baseline_every), "--step-time", str(self.step_time), "--out", str(out)]
 PHASES = ("detect", "commit", "abort", "restart", "process_group", "restore", "first_step")
 ARMS = ("ftd", "torchrun_c10d")
 RDZV_LOGGER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -92,12 +131,15 @@ def current_step(out: Path, before: float | None = None) -> int:
 
 
 def latest_pids(out: Path, nodes: set[str]) -> list[int]:
-    """The worker pid of each of ``nodes`` that logged the newest step."""
-    newest: dict[str, int] = {}
+    """The worker pids of ``nodes`` in the world that logged the newest step: every local rank's."""
+    newest: dict[tuple[str, int], dict[str, Any]] = {}
     for r in records(out):
-        if r["event"] == "step" and r["node"] in nodes:
-            newest[r["node"]] = r["pid"]
-    return list(newest.values())
+        if r["event"] == "step":
+            newest[(r["node"], r.get("rank", 0))] = r
+    if not newest:
+        return []
+    last = max(r["t"] for r in newest.values())
+    return sorted({r["pid"] for (node, _), r in newest.items() if node in nodes and r["t"] > last - 30})
 
 
 def new_world(out: Path, t_kill: float) -> dict[str, Any] | None:
@@ -259,17 +301,16 @@ def standbys_warm(cluster: ClusterFile) -> bool:
     return all(any(p in idle for p in pids) for pids in per_agent.values())
 
 
-def ftd_trials(work: Path, trials: int, step_time: float) -> list[dict[str, Any]]:
+def ftd_trials(work: Path, trials: int, load: Workload) -> list[dict[str, Any]]:
     out = work / "run"
-    train = TrainOptions(cmd=f"-m ftd.training.demo_job --steps 1000000 --memory-every 1 "
-                             f"--persist-every {PERSIST_EVERY} --step-time {step_time} --out {out}", job="demo")
+    train = TrainOptions(cmd=load.ftd_cmd(out, 2 * load.nproc), job=load.job, nproc_per_node=load.nproc)
     assert train.launcher == "warm"
     cluster = up(work / "cluster", 2, 1, train=train)
     logs = Path(cluster.workdir) / "logs"
     client = cluster.client()
     results = []
     try:
-        wait_for(lambda: current_step(out) >= 30, 180, "ftd training")
+        wait_for(lambda: current_step(out) >= load.warmup_steps, 300, "ftd training")
         for i in range(trials):
             wait_for(lambda: standbys_warm(cluster), 120, "every agent's standby worker warm")
             world = list(client.status().world)
@@ -305,7 +346,7 @@ def ftd_trials(work: Path, trials: int, step_time: float) -> list[dict[str, Any]
             wait_agent(cluster, victim, proc)
             wait_for(lambda v=victim: v in client.status().spares, 60, "the victim back as a spare")
             before = current_step(out)
-            wait_for(lambda b=before: current_step(out) >= b + 20, 120, "training moving again")
+            wait_for(lambda b=before: current_step(out) >= b + load.between_steps, 240, "training moving again")
     finally:
         client.close()
         stop(cluster)
@@ -315,17 +356,16 @@ def ftd_trials(work: Path, trials: int, step_time: float) -> list[dict[str, Any]
 # ---- torchrun -------------------------------------------------------------------------------------------
 
 
-def torchrun_trials(work: Path, trials: int, step_time: float) -> list[dict[str, Any]]:
+def torchrun_trials(work: Path, trials: int, load: Workload) -> list[dict[str, Any]]:
     out, ckpt = work / "run", work / "ckpt"
     port = free_port()
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(node: str) -> None:
         argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=baseline", "--nnodes=2:2", "--nproc-per-node=1",
-                "--max-restarts=100", "--monitor-interval=0.1", "--local-addr=127.0.0.1",
-                "-m", "ftd.training.demo_job", "--steps", "1000000", "--ckpt-every", str(PERSIST_EVERY),
-                "--step-time", str(step_time), "--out", str(out), "--plain-ckpt", str(ckpt)]
+                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=baseline", "--nnodes=2:2",
+                f"--nproc-per-node={load.nproc}", "--max-restarts=100", "--monitor-interval=0.1",
+                "--local-addr=127.0.0.1", *load.torchrun_argv(out, ckpt)]
         # TORCH_LOGS: torch's rendezvous logs (debug) when it drops a dead node, its agent (info) when a
         # round is complete; logging only, nothing else changes
         env = {**os.environ, "FTD_NODE_ID": node, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
@@ -341,7 +381,7 @@ def torchrun_trials(work: Path, trials: int, step_time: float) -> list[dict[str,
     start("node-2")  # the standby (torch >= 2.3 keeps it in the redundancy list)
     results = []
     try:
-        wait_for(lambda: current_step(out) >= 30, 180, "torchrun training")
+        wait_for(lambda: current_step(out) >= load.warmup_steps, 300, "torchrun training")
         for _ in range(trials):
             latest = {r["node"]: r for r in records(out) if r["event"] == "step"}
             victim = max((n for n in latest if n != "node-0"), key=lambda n: latest[n]["t"])
@@ -375,7 +415,8 @@ def torchrun_trials(work: Path, trials: int, step_time: float) -> list[dict[str,
                 break
             start(victim)  # back as the standby for the next trial
             before = current_step(out)
-            wait_for(lambda b=before: current_step(out) >= b + 20, 120, "torchrun training moving again")
+            wait_for(lambda b=before: current_step(out) >= b + load.between_steps, 240,
+                     "torchrun training moving again")
     finally:
         for p in procs.values():
             kill_tree(p.pid)
@@ -420,22 +461,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--step-time", type=float, default=STEP_TIME, help="seconds per training step (both arms)")
+    ap.add_argument("--workload", choices=WORKLOADS, default="demo",
+                    help="demo: the DDP demo job, 1 rank per node; fsdp: examples/fsdp2_train.py (FSDP2, DCP)")
+    ap.add_argument("--nproc-per-node", type=int, default=0, help="ranks per node (default: demo 1, fsdp 2)")
+    ap.add_argument("--params", default="38M", help="fsdp: the model's size (e.g. 2M, 38M)")
+    ap.add_argument("--step-time", type=float, default=None,
+                    help="pace: at least this many seconds per step, both arms (default: demo 0.2, fsdp 0 = unpaced)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     args = ap.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     if not arms or any(a not in ARMS for a in arms):
         ap.error(f"--arms takes {', '.join(ARMS)}")
+    demo = args.workload == "demo"
+    load = Workload(args.workload, nproc=args.nproc_per_node or (1 if demo else 2), params=args.params,
+                    step_time=args.step_time if args.step_time is not None else (STEP_TIME if demo else 0.0),
+                    warmup_steps=30 if demo else 25, between_steps=20 if demo else 10)
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-recovery-"))
     runners = {"ftd": ftd_trials, "torchrun_c10d": torchrun_trials}
-    result: dict[str, Any] = {name: summary(runners[name](work / name, args.trials, args.step_time)) for name in arms}
+    result: dict[str, Any] = {name: summary(runners[name](work / name, args.trials, load)) for name in arms}
     ftd, base = result.get("ftd"), result.get("torchrun_c10d")
     if ftd and base and ftd["p50_recovered_s"] and base["p50_recovered_s"]:
         result["ftd_over_torchrun_p50_recovered"] = round(ftd["p50_recovered_s"] / base["p50_recovered_s"], 3)
-    result["setup"] = {"step_time_s": args.step_time, "durable_every_steps": PERSIST_EVERY, "trials": args.trials,
-                       "ftd": f"warm launcher, --memory-every 1 --persist-every {PERSIST_EVERY}",
-                       "torchrun_c10d": f"--plain-ckpt every {PERSIST_EVERY} steps, "
-                                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "workdir": str(work)}
+    baseline_ckpt = (f"--plain-ckpt every {PERSIST_EVERY} steps" if demo
+                     else f"torch DCP save every {load.baseline_every} steps (--plain-dcp)")
+    result["setup"] = {"workload": load.name, "nproc_per_node": load.nproc,
+                       "params": None if demo else load.params, "step_time_s": load.step_time,
+                       "durable_every_steps": PERSIST_EVERY, "trials": args.trials,
+                       "ftd": f"warm launcher, --memory-every 1 --persist-every {PERSIST_EVERY}"
+                              + ("" if demo else f", prepare() with --reserve-world {2 * load.nproc}"),
+                       "torchrun_c10d": f"{baseline_ckpt}, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                       "workdir": str(work)}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -175,6 +175,26 @@ def params_crc(model: nn.Module) -> str:
     return f"{total:012x}"
 
 
+def plain_dcp_restore(root: Path, state: dict[str, Any]) -> int:
+    """The newest complete ``step-N`` folder under ``root`` loaded in place with torch DCP's own reader
+    (the baseline: no ftd); -1 when there is none. A folder is complete once DCP wrote its ``.metadata``
+    (the coordinator rank writes it last)."""
+    import torch.distributed.checkpoint as dcp
+
+    steps = sorted((int(d.name[5:]) for d in root.glob("step-*") if (d / ".metadata").exists()), reverse=True)
+    if not steps:
+        return -1
+    dcp.load(state, checkpoint_id=str(root / f"step-{steps[0]}"))
+    return steps[0]
+
+
+def plain_dcp_save(root: Path, step: int, state: dict[str, Any]) -> None:
+    """One synchronous torch DCP save of ``state`` (every rank writes its shard) as ``step-N``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(root / f"step-{step}"))
+
+
 # ---- prepare and main ----------------------------------------------------------------------------------
 
 
@@ -196,6 +216,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="auto: nccl when CUDA is available, else gloo")
     ap.add_argument("--job", default=os.environ.get("FTD_JOB", "fsdp2"), help="the ftd job id (default: $FTD_JOB)")
     ap.add_argument("--no-ftd", action="store_true", help="no Checkpointer: the uninterrupted baseline")
+    ap.add_argument("--plain-dcp", type=Path, default=None,
+                    help="with --no-ftd: torch DCP's own save/load to this shared directory every --persist-every "
+                         "steps (the torchrun baseline of bench/recovery.py)")
     ap.add_argument("--out", type=Path, required=True, help="directory of the per-rank step records")
     return ap.parse_args(argv)
 
@@ -267,28 +290,37 @@ def main(argv: list[str] | None = None, prepared: Prepared | None = None) -> int
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    shard_s = time.monotonic() - t0
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     app = AppState(model, optim)
     wrap_s = time.monotonic() - t0
+    wrapped = time.time()
 
     torch.manual_seed(args.seed + 1 + rank)  # dropout's draws, per rank; a restore brings back the saved states
     t0 = time.monotonic()
     state: dict[str, Any] = {"app": app}
     ckpt = None
-    start, restored_from = 0, ""
+    start, restored_from, ckpt_init_s = 0, "", 0.0
     if not args.no_ftd:
         ckpt = Checkpointer(args.job, format="dcp", cadence=CadencePolicy(args.memory_every, args.persist_every),
                             dataloader=data, buffers=ctx.buffers)
+        ckpt_init_s = time.monotonic() - t0
         restored = ckpt.restore(state)  # in place, DCP; the RNG states and the loader's position too
         if restored is not None:
             start, restored_from = restored + 1, ckpt.restored_from
+    elif args.plain_dcp is not None:
+        plain_state: dict[str, Any] = {"app": app, "data": data}
+        start = plain_dcp_restore(args.plain_dcp, plain_state) + 1
+        restored_from = str(args.plain_dcp) if start > 0 else ""
     restore_s = time.monotonic() - t0
     t0 = time.monotonic()
     if ckpt is not None:
         ckpt.prepare(state)  # the snapshot buffers laid out (allocated unless prepare() reserved them)
     buffers_s = time.monotonic() - t0
     records.emit(event="start", restored_step=start - 1, restored_from=restored_from, params_crc=params_crc(model),
-                 pg_s=round(pg_s, 4), wrap_s=round(wrap_s, 4), restore_s=round(restore_s, 4),
+                 ddp_ready=wrapped, pg_s=round(pg_s, 4), wrap_s=round(wrap_s, 4), shard_s=round(shard_s, 4),
+                 restore_s=round(restore_s, 4), ckpt_init_s=round(ckpt_init_s, 4),
+                 restore_phases={k: round(v, 4) for k, v in (ckpt.restore_timings if ckpt else {}).items()},
                  buffers_s=round(buffers_s, 4),
                  params=sum(p.numel() for p in model.parameters()), position=data.position)
     for step in range(start, args.steps):
@@ -303,6 +335,8 @@ def main(argv: list[str] | None = None, prepared: Prepared | None = None) -> int
         if ckpt is not None:
             ckpt.report_step(step, loss=value)
             ckpt.step_end(step, lambda: state)
+        elif args.plain_dcp is not None and (step + 1) % args.persist_every == 0:
+            plain_dcp_save(args.plain_dcp, step, {"app": app, "data": data})
         if args.step_time > 0:
             time.sleep(max(0.0, args.step_time - (time.monotonic() - began)))
     if ckpt is not None:

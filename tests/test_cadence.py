@@ -91,14 +91,14 @@ def test_a_slowdown_the_blocked_time_does_not_show_widens_the_interval(caplog: p
     assert state.clean_n >= 1 and state.without_s == pytest.approx(CLEAN_S)
     assert state.cost_steps == pytest.approx(WITH_WORK_S / CLEAN_S - 1, rel=0.05)
     assert "+8% with a snapshot every 4" in state.reason, state.reason
-    # The first probe came at the first decision at least 20 steps in (half the gap while there are
-    # few such samples): one snapshot skipped (the work lasts less than a step), step 26 timed
-    # without snapshot work; the next whole window (33-40) measured the cost, and step 40 widened.
-    assert 25 not in r.snapshots and 24 in r.snapshots and 26 in r.snapshots
-    widened = ("step 40: memory snapshot every 4 step(s) (widened from 1: a step takes 4.73 s without snapshot work "
+    # The first probe came at the second decision (step 16: a whole window with snapshot work, 8-16,
+    # was timed): one snapshot skipped (the work lasts less than a step), step 18 timed without
+    # snapshot work; the cost followed from those two figures, and the next decision (24) widened.
+    assert 17 not in r.snapshots and 16 in r.snapshots and 18 in r.snapshots
+    widened = ("step 24: memory snapshot every 4 step(s) (widened from 1: a step takes 4.73 s without snapshot work "
                "and +34% with a snapshot every 1; the limit is 10%)")
     assert [rec.getMessage() for rec in caplog.records] == [widened]
-    assert [s for s in r.snapshots if s > 40] == [s for s in range(41, 81) if s % 4 == 0]
+    assert [s for s in r.snapshots if s > 24] == [s for s in range(25, 81) if s % 4 == 0]
 
 
 def test_the_stall_alone_still_widens_before_any_step_was_timed_without_work() -> None:

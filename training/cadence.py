@@ -17,7 +17,9 @@ which no snapshot work ran. Their ratio is the slowdown; when it exceeds ``max_s
 interval widens (the configured one times a power of two) until the predicted slowdown fits, and it
 narrows again only below half of it. At an interval of one step no step runs without snapshot
 work, so every ``probe_every_steps`` one snapshot (more when the work outlasts a step) is skipped to
-time a step without: a failure during that step loses one step more.
+time a step without (the first as soon as a whole window with snapshot work was timed: two
+decisions in, so that a slow snapshot is noticed in tens of steps, not hundreds): a failure during
+that step loses one step more.
 
 **Agreed by all ranks**: a snapshot step is worth something only when every rank holds it, and
 ranks measure differently (one rank widened to every 4 steps and another to every 2, and steps 1-3
@@ -195,6 +197,8 @@ def propose(policy: CadencePolicy, state: CadenceState, step: int, wall: float) 
     probe = 0
     since_clean = step - (state.last_clean if state.last_clean >= 0 else state.first_step)
     gap = policy.probe_every_steps if state.clean_n >= 2 else policy.probe_every_steps // 2
+    if state.clean_n == 0:  # the first probe as soon as a whole window with snapshot work was timed
+        gap = min(gap, 2 * cycle(policy, state.every))
     if every > 0 and policy.probe_every_steps and since_clean >= max(1, gap):
         per_step = state.without_s or state.with_s or state.last_took
         probe = min(MAX_PROBE_STEPS, max(1, math.ceil(state.work_s / per_step))) if per_step > 0 else 1
@@ -213,9 +217,10 @@ def _interval(policy: CadencePolicy, state: CadenceState) -> tuple[int, str]:
     per_step = state.without_s or state.with_s or state.last_took
     if state.blocked_s > 0 and per_step > 0:
         costs.append((state.blocked_s / per_step, f"the loop blocks {state.blocked_s * 1e3:.0f} ms a snapshot"))
-    if state.cost_steps >= 0 and state.without_s > 0:
-        costs.append((state.cost_steps, f"a step takes {state.without_s:.3g} s without snapshot work and "
-                                        f"{state.cost_steps / every:+.0%} with a snapshot every {every}"))
+    cost_steps = state.cost_steps
+    if cost_steps >= 0 and state.without_s > 0:
+        costs.append((cost_steps, f"a step takes {state.without_s:.3g} s without snapshot work and "
+                                  f"{cost_steps / every:+.0%} with a snapshot every {every}"))
     if not costs:
         return every, state.reason or f"memory snapshot every {every} step(s), as configured"
     cost, what = max(costs)
@@ -236,6 +241,9 @@ def close_window(state: CadenceState) -> CadenceState:
     """Folds the window that ends at a decision (when it is whole) into the mean step with snapshot
     work and, against the steps without, into the cost of one snapshot."""
     if not (state.window_ok and state.window_n):
+        if state.cost_steps < 0 and state.with_s > 0 and state.without_s > 0 and state.every > 0:
+            # the first probe just ended: the windows before it timed the steps with snapshot work
+            return replace(state, cost_steps=max(0.0, state.with_s / state.without_s - 1) * state.every)
         return state
     with_s = _ewma(state.with_s, state.window_s / state.window_n)
     if state.without_s <= 0 or state.every <= 0:

@@ -171,6 +171,12 @@ class Checkpointer:
         return self.saves.last_blocked_s
 
     @property
+    def restore_timings(self) -> dict[str, float]:
+        """Where the last restore's time went (seconds): ``target_s`` (the catalog's answer),
+        ``read_s`` (this rank's verify and load), ``agree_s`` (waiting for the other ranks)."""
+        return dict(self.restorer.timings)
+
+    @property
     def restored_from(self) -> str:
         """The copy the last restore loaded ("mem@node-2", "ssd@node-0", ...)."""
         return self.restorer.restored_from

@@ -157,15 +157,22 @@ class Restorer:
         self.restored_from = ""  # the copy the last restore loaded ("mem@node-2", "ssd@node-0", ...)
         self.restored_extra: list[str] = []  # what the last restore set besides the state ("python", "torch"...)
         self._extra: dict[str, Any] | None = None  # the rank state of the copy just read (applied once agreed)
+        # where the last restore's time went: asking the catalog, reading and loading, waiting for the
+        # other ranks' answers (the slowest rank's read shows in everybody else's agree_s)
+        self.timings: dict[str, float] = {}
 
     def load_latest(self, map_location: Any = "cpu", template: dict[str, Any] | None = None,
                     weights_only: bool = True, attempts: int = 8,
                     replicated: bool = False) -> tuple[int, Any] | None:
         """``(step, state_dict)`` of the newest checkpoint this rank can verify, or ``None`` when
         there is no valid checkpoint (:meth:`ftd.training.Checkpointer.load_latest`)."""
+        self.timings = {"target_s": 0.0, "read_s": 0.0, "agree_s": 0.0}
         for attempt in range(attempts):
+            began = time.monotonic()
             target = self.agent.restore_target(self.job, replicated=replicated, world_size=self.world_size,
                                                fmt=self.format)
+            asked = time.monotonic()
+            self.timings["target_s"] += asked - began
             loaded: tuple[int, Any] | None = None
             refused: IncompatibleCheckpoint | None = None
             if target.found:
@@ -177,7 +184,10 @@ class Restorer:
                               "invalidated or deleted): %s", self.rank, target.checkpoint.step, self.job, exc)
                 if loaded is None and refused is None:  # a copy's node unreachable for now, or just invalidated
                     time.sleep(min(5.0, 0.5 * (attempt + 1)))
+            read = time.monotonic()
+            self.timings["read_s"] += read - asked
             low, high = _agree_all(_REFUSED if refused else loaded[0] if loaded else (-1 if not target.found else -2))
+            self.timings["agree_s"] += time.monotonic() - read
             if low == _REFUSED:  # every rank stops with the reason, none hangs in a collective
                 raise refused or IncompatibleCheckpoint(
                     "another rank cannot load it (its error names the tensor)", step=target.checkpoint.step,
