@@ -415,6 +415,7 @@ class Launcher:
             kill_processes(self.workers)  # again: abort() may have raced with an activation
             self._killed.extend(self.workers)
             self.workers = []
+            self.pool.refill_now(f"the workers were aborted ({why})")  # the next round needs standbys
             self._event("aborted", why)
             self._set(State.JOIN, f"aborted: {why}")
         elif self.state is State.STORE:

@@ -57,6 +57,11 @@ class WarmTrainingSupervisor(TrainingSupervisor):
             with self._lock:
                 self.last_progress, self.started_at = None, self.clock()
 
+    def on_progress(self, step: int) -> None:
+        super().on_progress(step)
+        # the workers trained: the next standbys may start now without slowing their start
+        self.pool.refill_now(f"the workers reported step {step}")
+
     def on_response(self, response: coordinator_pb2.HeartbeatResponse) -> None:
         """Every heartbeat answer: a new round of the job (a restart elsewhere) aborts a stale one."""
         if self._started and response.HasField("assignment"):

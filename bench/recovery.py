@@ -475,7 +475,7 @@ def main() -> None:
     demo = args.workload == "demo"
     load = Workload(args.workload, nproc=args.nproc_per_node or (1 if demo else 2), params=args.params,
                     step_time=args.step_time if args.step_time is not None else (STEP_TIME if demo else 0.0),
-                    warmup_steps=30 if demo else 25, between_steps=20 if demo else 10)
+                    warmup_steps=30 if demo else 40, between_steps=20 if demo else 24)
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-recovery-"))
     runners = {"ftd": ftd_trials, "torchrun_c10d": torchrun_trials}
     result: dict[str, Any] = {name: summary(runners[name](work / name, args.trials, load)) for name in arms}

@@ -227,6 +227,7 @@ class FakePool:
         self.cmd = list(cmd)
         self.assignments: list[list[WorkerAssignment]] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.refills: list[str] = []  # why the launcher asked for the deferred refill
         self.closed = False
 
     def activate(self, assignments: Sequence[WorkerAssignment]) -> list[subprocess.Popen[bytes]]:
@@ -237,6 +238,10 @@ class FakePool:
 
     def tend(self) -> None:
         pass
+
+    def refill_now(self, why: str) -> bool:
+        self.refills.append(why)
+        return True
 
     def close(self, timeout_s: float = 5.0) -> list[int]:
         self.closed = True
@@ -340,6 +345,7 @@ def test_push_abort_on_a_new_epoch_and_the_spare_takes_the_rank(pools: list[Fake
     clock.now += 0.05
     la.step()
     lc.step()
+    assert len(pools[0].refills) == 1 and "aborted" in pools[0].refills[0]  # standbys are needed again now
     assert (la.state, la.rank, la.round, la.epoch) == (State.RUNNING, 0, 1, 2)
     assert (lc.state, lc.rank, lc.round) == (State.RUNNING, 1, 1)
     assert pools[2].env()["RANK"] == "1" and pools[2].env()["FTD_EPOCH"] == "2"

@@ -86,6 +86,9 @@ def test_pool_activates_standbys_and_refills_in_the_background(tmp_path: Path, p
         assert "hello from rank 4" in log  # the job's stdout goes to the log
         assert "cannot preload no_such_module_to_preload" in log  # said, and not fatal
         assert handed_s < 0.5
+        pool.tend()
+        assert pool.pids() == []  # the refill waits until the new workers trained (or the grace passed)
+        assert pool.refill_now("the workers reported step 0") and not pool.refill_now("again")
         wait_for(lambda: pool.ready_count() == 2, 120, "the background refill", interval_s=0.2)
         assert [r.background for r in pool.readiness[2:]] == [True, True]
         assert not set(pool.pids()) & set(standbys)
@@ -93,6 +96,26 @@ def test_pool_activates_standbys_and_refills_in_the_background(tmp_path: Path, p
     finally:
         killed = pool.close()
     assert len(killed) == 2 and not pool.pids()
+
+
+def test_the_refill_after_an_activation_waits_for_the_first_step_or_the_grace(tmp_path: Path,
+                                                                             probe: dict[str, str]) -> None:
+    now = [100.0]
+    pool = WarmPool(lambda lr: standby_argv("probe_entry:wait_forever"), 1, probe, tmp_path / "w.log",
+                    refill_grace_s=60.0, clock=lambda: now[0])
+    try:
+        assert pool.wait_ready(90)
+        (worker,) = pool.activate([WorkerAssignment({"RANK": "0"})])
+        now[0] += 59.0
+        pool.tend()
+        assert pool.pids() == []  # no step report yet, grace not over: nothing competes with the new world
+        now[0] += 2.0
+        pool.tend()
+        assert len(pool.pids()) == 1  # the grace is over: the next standby starts (in the background)
+        assert not pool.refill_now("a late step report")  # nothing left to start
+    finally:
+        pool.close()
+    assert worker.poll() is not None
 
 
 def test_standbys_follow_their_launcher(tmp_path: Path, probe: dict[str, str]) -> None:
