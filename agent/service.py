@@ -226,7 +226,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 raise errors.NodeCannot(f"node {self.daemon.node_id} runs no training worker")
             log.warning("drill: SIGSTOPped training workers %s (%s)", stopped, request.reason or "no reason given")
             return agent_pb2.KillResponse(pid=os.getpid(), killed_pids=stopped)
-        killed = signal_pids(training.workers(), signal.SIGKILL) if training is not None else []
+        # a dead node's processes all die with it: the workers, the standbys, what the agent supervises
+        killed = signal_pids([*training.workers(), *training.standby_pids()], signal.SIGKILL) \
+            if training is not None else []
         killed += self.daemon.supervisor.kill_all()
         log.warning("drill: killing node %s now (%s); supervised pids %s SIGKILLed", self.daemon.node_id,
                     request.reason or "no reason given", killed)

@@ -194,6 +194,10 @@ class TrainingSupervisor:
     def _running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def standby_pids(self) -> list[int]:
+        """Processes started ahead for a later round (none here; the warm launcher's standbys)."""
+        return []
+
     def workers(self) -> list[int]:
         return descendants(self.proc.pid) if self._running() and self.proc is not None else []
 

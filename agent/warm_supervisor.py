@@ -77,6 +77,9 @@ class WarmTrainingSupervisor(TrainingSupervisor):
     def workers(self) -> list[int]:
         return self.launcher.worker_pids()
 
+    def standby_pids(self) -> list[int]:
+        return self.pool.pids()
+
     def abort_workers(self, why: str) -> list[int]:
         pids = self.launcher.abort(why)
         self.last_progress = None

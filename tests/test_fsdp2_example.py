@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from ftd.agent.torchrun_supervisor import descendants
 from ftd.ftctl import cli, localcluster
 from ftd.v1 import checkpoint_pb2
 from ftd.waiting import wait_for
@@ -72,6 +73,14 @@ def test_the_example_sizes_and_its_prepare_contract() -> None:
 
 
 # ---- the script on a cluster ---------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Running: not gone and not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def records(out: Path) -> list[dict[str, Any]]:
@@ -136,10 +145,16 @@ def test_ftctl_up_runs_the_fsdp2_example_and_a_killed_node_recovers_exactly(tmp_
         assert len(boots) == 4 and all(b["prepared"] for b in boots), boots  # the standbys ran prepare()
         status = client.status()
         victim = list(status.world)[1]
+        agent_pid = next(a.pid for a in cluster.agents if a.name == victim)
+        wait_for(lambda: len(descendants(agent_pid)) >= 4, 120, f"{victim}'s workers and its next standbys")
+        on_victim = descendants(agent_pid)  # its 2 workers and its 2 standbys for the next round
         drill = ftctl("--workdir", str(workdir), "drill", "--kill-node", victim, "--json", "--target-recover-s",
                       "90", "--drill-timeout", "200")
         result = json.loads(drill.stdout) if drill.stdout.strip().startswith("{") else {}
         assert drill.returncode == 0, drill.stdout + drill.stderr
+        # a killed node's processes all die with it, its standbys too (they would compete for the CPU
+        # with the new world on this shared box, where a dead machine's cannot)
+        wait_for(lambda: not any(alive(p) for p in on_victim), 10, f"every process of {victim} gone")
         wait_for(lambda: sum(1 for r in records(out) if r["event"] == "done") >= 4, 240,
                  f"the job to reach step {STEPS - 1} in the new world", interval_s=0.5)
     finally:
