@@ -18,7 +18,7 @@ import grpc
 
 from ftd import metrics_http, rpc, systemd
 from ftd.authz_interceptors import AuthzInterceptor, Guard
-from ftd.checkpoints.catalog import from_info
+from ftd.checkpoints.catalog import CheckpointRecord, from_info
 from ftd.client import CoordinatorClient
 from ftd.identity import identity_of
 from ftd.logs import set_identity
@@ -39,6 +39,7 @@ from .peer_copy import PeerFetcher
 from .peers import Buddy, address_of, buddy_of
 from .preemption import PreemptionWatcher
 from .replicator import ReplicationMetrics, Replicator
+from .restore_prefetch import Prefetcher
 from .rtt import RttMetrics, RttProber
 from .settings import AgentSettings
 from .supervisor import Supervisor
@@ -98,6 +99,7 @@ class AgentDaemon:
                                settings.tier_bandwidth_mb_s * 1e6, settings.tiering_interval_s)
         self._tier_stats_seen: dict[str, dict[str, int]] = {}
         self.training: TrainingSupervisor | None = None
+        self.prefetch: Prefetcher | None = None  # a promoted node's shards pulled ahead (agent.restore_prefetch)
         self._saves_in_flight: dict[tuple[int, int], float] = {}
         self._loop_at = time.monotonic()
         self.metrics.configure_mfu(settings.peak_flops_per_gpu, settings.mfu_floor)
@@ -325,8 +327,17 @@ class AgentDaemon:
         self.metrics.epoch.set(assignment.epoch)
         self.metrics.rank.set(assignment.rank)
         set_identity(epoch=assignment.epoch, rank=assignment.rank)
+        if self.prefetch is not None:
+            self.prefetch.on_assignment(assignment)
         if self.training is not None:
             self.training.on_assignment(assignment)
+
+    def _restore_target(self, job: str, world_size: int) -> CheckpointRecord | None:
+        from ftd.v1 import checkpoint_pb2
+
+        got = self.client.call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(
+            job=job, world_size=world_size), idempotent=True)
+        return from_info(got.checkpoint) if got.found else None
 
     def _report_hang(self, culprit: bool, reason: str, step: int) -> None:
         from ftd.v1 import coordinator_pb2
@@ -401,6 +412,8 @@ class AgentDaemon:
                 coordinators=s.coordinators, node_id=self.node_id, host=s.effective_host, socket=sock,
                 log_path=s.workdir / "train.log", hang_timeout_s=s.hang_timeout_s,
                 hang_startup_grace_s=s.hang_startup_grace_s, pki_dir=s.pki_dir, on_no_spare=s.on_no_spare)
+            self.prefetch = Prefetcher(self.node_id, s.train_job, s.nproc_per_node, self._restore_target,
+                                       self.peers.fetch)
             self.training = (WarmTrainingSupervisor(spec, self.supervisor, self.client, self._report_hang)
                              if s.launcher == "warm" else
                              TrainingSupervisor(spec, self.supervisor, self._report_hang, self._job_closed))

@@ -29,6 +29,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent import futures
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -266,11 +267,45 @@ class PeerFetcher:
         self.timeout_s = timeout_s
         self.fast = fast  # try the holder's fast path (OpenShard, ftd.agent.bulk_copy) before ReadShard
         self.landing = landing  # prepared room for the fast path (ftd.agent.landing)
+        self._flights: dict[tuple[str, int, int, str, str], futures.Future[Fetched]] = {}
+        self._flights_lock = threading.Lock()
         shutil.rmtree(spool / _TRASH, ignore_errors=True)  # what an earlier run left being freed
         with contextlib.suppress(StorageError):
             self.copies.cleanup("", older_than_s=0.0)  # pulls an earlier run left half-done
 
     def fetch(self, request: agent_pb2.FetchShardRequest) -> Fetched:
+        """One copy pulled once: a request for a copy being pulled (the restore prefetch,
+        :mod:`.restore_prefetch`, or another caller) waits for that pull; one for a copy pulled
+        before that is still in the spool gets it at once; a failed pull is tried again next time."""
+        key = (request.job, request.step, request.rank, request.tier, request.location)
+        with self._flights_lock:
+            flight = self._flights.get(key)
+            if flight is not None and flight.done() and (flight.exception() is not None
+                                                         or not (flight.result().path / MANIFEST).exists()):
+                flight = None  # failed, or its copy was replaced since: pull again
+            mine = flight is None
+            if flight is None:
+                flight = futures.Future()
+                self._flights[key] = flight
+        log.info("pull of job %s step %d rank %d from %s: %s", request.job, request.step, request.rank,
+                 request.location, "pulling it now" if mine else "already pulled or in flight: waiting for that pull")
+        if not mine:
+            got = flight.result(timeout=self.timeout_s + 30.0)
+            log.info("FetchShard of job %s step %d rank %d from %s: answered with the copy already pulled (%d bytes)",
+                     request.job, request.step, request.rank, request.location, got.bytes)
+            return got
+        try:
+            got = self._pull(request)
+        except BaseException as exc:
+            flight.set_exception(exc)
+            raise
+        with self._flights_lock:  # this pull replaced the rank's earlier copies in the spool (_forget)
+            for other in [k for k in self._flights if k[0] == key[0] and k[2] == key[2] and k != key]:
+                del self._flights[other]
+        flight.set_result(got)
+        return got
+
+    def _pull(self, request: agent_pb2.FetchShardRequest) -> Fetched:
         try:
             job, _, rank = check_job(request.job), check_step(request.step), check_rank(request.rank)
             check_job(request.location)  # a node id: the same alphabet

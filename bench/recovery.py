@@ -1,8 +1,21 @@
 """Recovery after a node is killed mid-training, phase by phase: ftd next to plain torchrun (c10d
-rendezvous, a standby node), the same training script (``ftd.training.demo_job``: DDP on gloo, a step
-every 0.2 s), side by side in one run, each with a durable checkpoint every 1000 steps.
+rendezvous, a standby node), the same training script side by side in one run.
 
     python bench/recovery.py --trials 5 [--json] [--arms ftd,torchrun_c10d] [--step-time 0.2]
+    python bench/recovery.py --workload fsdp --nproc-per-node 2 --params 38M --trials 3 --json
+
+The workloads (:class:`Workload`):
+
+* ``demo`` (the default): ``ftd.training.demo_job``, DDP on gloo, 1 rank per node, a step every 0.2 s,
+  a durable checkpoint every 1000 steps in both arms.
+* ``fsdp``: ``examples/fsdp2_train.py``, FSDP2 ``fully_shard`` per block and Adam on gloo, ``--params``
+  (38 M: 18 blocks of width 512) over ``--nproc-per-node`` ranks per node (2), unpaced. ftd: the
+  Checkpointer in DCP format (memory every step, the cadence widening it when snapshots slow the
+  step), standbys that ran the script's ``prepare()`` (model built, snapshot buffers reserved for a
+  rank of the 4-rank world). torchrun: the same script with ``--no-ftd --plain-dcp``: torch DCP's own
+  collective ``save`` every 20 steps into a shared directory and ``load`` of the newest one at start,
+  so its restore is a real DCP load. The first kill comes after 40 steps (the cadence has settled),
+  the next ones 24 steps after the previous recovery.
 
 The arms, each as it would be deployed:
 

@@ -25,7 +25,8 @@ What runs where (docs/training.md, "Your own script"):
   buffers laid out (``Checkpointer.prepare``), then the loop.
 
 Every step each rank appends a JSON line to ``--out/<node>-<local rank>.jsonl``: the step, its loss,
-a checksum of the bits of its local parameter shards (``params_crc``) and its pid; at the start the
+a checksum of the bits of its local parameter shards (``params_crc``), its pid and how long its
+forward pass, backward pass and optimizer step took (``phases_s``); at the start the
 step it restored and from where, with the time of each phase (``prepare_s``, ``pg_s``, ``wrap_s``,
 ``restore_s``, ``buffers_s``). A recovered run is bit-identical to an uninterrupted one of the same world size:
 the data come from the loader's position, dropout from the RNG states the Checkpointer restores.
@@ -327,11 +328,15 @@ def main(argv: list[str] | None = None, prepared: Prepared | None = None) -> int
         began = time.monotonic()
         x, y = data.next_batch(rank)
         loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        forward = time.monotonic()
         loss.backward()  # type: ignore[no-untyped-call]
+        backward = time.monotonic()
         optim.step()
         optim.zero_grad(set_to_none=True)
         value = loss.item()
-        records.emit(event="step", step=step, loss=value, params_crc=params_crc(model))
+        done = time.monotonic()
+        records.emit(event="step", step=step, loss=value, params_crc=params_crc(model),
+                     phases_s=[round(forward - began, 4), round(backward - forward, 4), round(done - backward, 4)])
         if ckpt is not None:
             ckpt.report_step(step, loss=value)
             ckpt.step_end(step, lambda: state)

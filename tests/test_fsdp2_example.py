@@ -144,7 +144,10 @@ def test_ftctl_up_runs_the_fsdp2_example_and_a_killed_node_recovers_exactly(tmp_
         boots = [r for r in records(out) if r["event"] == "boot"]
         assert len(boots) == 4 and all(b["prepared"] for b in boots), boots  # the standbys ran prepare()
         status = client.status()
-        victim = list(status.world)[1]
+        # node-0's buddy is node-1 (the next node of the ring, coordinator/buddies.py): the spare must
+        # pull node-0's shards from node-1, which its agent does ahead (agent/restore_prefetch.py)
+        victim = "node-0"
+        assert victim in status.world, status
         agent_pid = next(a.pid for a in cluster.agents if a.name == victim)
         wait_for(lambda: len(descendants(agent_pid)) >= 4, 120, f"{victim}'s workers and its next standbys")
         on_victim = descendants(agent_pid)  # its 2 workers and its 2 standbys for the next round
@@ -172,6 +175,13 @@ def test_ftctl_up_runs_the_fsdp2_example_and_a_killed_node_recovers_exactly(tmp_
     before = max(r["step"] for r in got if r["event"] == "step" and r["pid"] not in new_pids)
     assert resumed >= before - 1, f"resumed from step {resumed}, the old world had done step {before}"
     assert all(s["restored_from"].startswith("mem@") for s in starts), [s["restored_from"] for s in starts]
+    pulled = [s for s in starts if s["node"] == "node-2"]
+    assert len(pulled) == 2 and all(s["restored_from"] == "mem@node-1 (pulled through the agent)" for s in pulled)
+    log = (workdir / "logs" / "node-2.log").read_text()
+    assert "restore prefetch (node rank" in log, log[-3000:]  # the spare's agent pulled them ahead
+    for s in pulled:  # a pull of the step the world resumed from served the worker's own FetchShard
+        if f"pulled job fsdp2 step {resumed} rank {s['rank']} from" in log:
+            assert f"FetchShard of job fsdp2 step {resumed} rank {s['rank']} from" in log, log[-3000:]
     firsts = {p: min(r["t"] for r in got if r["event"] == "step" and r["pid"] == p) for p in new_pids}
     print(f"\nftctl drill --kill-node {victim}: detected {result.get('detected_s')} s, recovered "
           f"{result.get('recovered_s')} s, resumed step {resumed} (the old world reached step {before})")
