@@ -175,6 +175,7 @@ def _restore(rank: int, port: int, roots: list[str], record_json: str, out: str,
         result["calls"] = [list(map(str, c)) for c in agent.calls]
         assert from_info(info).world_size != world
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # no rank tears gloo down while another still talks to it (a SIGABRT at exit on a busy box)
     finally:
         dist.destroy_process_group()
 
