@@ -29,9 +29,23 @@ def verify_steps(ctx: Context, steps: list[int]) -> Check:
         res = subprocess.run([sys.executable, "-m", "ftd.ftctl.cli", "--workdir", ctx.cluster.workdir, "checkpoints",
                               "verify", str(step), "--job", JOB, "--json"], capture_output=True, text=True, timeout=60)
         if res.returncode != 0:
-            bad.append(f"step {step}: exit {res.returncode} {res.stdout[-300:]} {res.stderr[-300:]}")
+            bad.append(f"step {step}: exit {res.returncode}: {_failed_copies(res.stdout)} {res.stderr[-300:]}")
     return Check("valid_steps_verify", bool(steps) and not bad,
                  f"ftctl checkpoints verify passed on steps {steps}" if not bad else "; ".join(bad))
+
+
+def _failed_copies(stdout: str) -> str:
+    """The copies ``ftctl checkpoints verify --json`` found bad, with why (else the output's tail)."""
+    import json
+
+    try:
+        found = json.loads(stdout)
+    except ValueError:
+        return stdout[-300:]
+    copies = found.get("copies", []) if isinstance(found, dict) else []
+    bad = [f"rank {c.get('rank')} {c.get('tier')}@{c.get('location')}: {c.get('error')}" for c in copies
+           if isinstance(c, dict) and not c.get("ok")]
+    return "; ".join(bad)[:1000] if bad else stdout[-300:]
 
 
 def arm_failpoint(workdir: Path) -> None:
