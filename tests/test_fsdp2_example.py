@@ -14,13 +14,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from job_records import records, restore_target_step
 
 from ftd.agent.torchrun_supervisor import descendants
 from ftd.ftctl import cli, localcluster
-from ftd.v1 import checkpoint_pb2
 from ftd.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,15 +82,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def records(out: Path) -> list[dict[str, Any]]:
-    found = []
-    for f in out.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # a line being written
-                found.append(json.loads(line))
-    return sorted(found, key=lambda r: r["t"])
-
-
 def ftctl(*args: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ftd.ftctl.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s, cwd=ROOT)
@@ -132,9 +122,7 @@ def test_ftctl_up_runs_the_fsdp2_example_and_a_killed_node_recovers_exactly(tmp_
     client = cluster.client()
     try:
         def valid_step() -> int:
-            target = client.call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job="fsdp2"),
-                                 idempotent=True)
-            return int(target.checkpoint.step) if target.found else -1
+            return restore_target_step(client, "fsdp2")
 
         def max_step() -> int:
             return max((r["step"] for r in records(out) if r["event"] == "step"), default=-1)

@@ -12,13 +12,12 @@ through the Checkpointer, a memory snapshot every step), ``ftctl drill`` killing
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from job_records import records
 
 from ftd.ftctl import drill, localcluster
 from ftd.ftctl.json_shapes import status_dict
@@ -29,15 +28,6 @@ pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "fsdp2_train.py"
 JOB = "fsdp2"
-
-
-def records(out: Path) -> list[dict[str, Any]]:
-    found = []
-    for f in out.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # a line being written
-                found.append(json.loads(line))
-    return sorted(found, key=lambda r: r["t"])
 
 
 class Run:

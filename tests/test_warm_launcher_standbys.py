@@ -9,7 +9,6 @@ The launcher's decisions and state machine without standbys: test_warm_launcher.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -22,11 +21,12 @@ from typing import Any
 
 import grpc
 import pytest
+from job_records import records, restore_target_step
 
 from ftd import rpc
 from ftd.agent.launcher import Launcher
 from ftd.agent.warm_pool import WarmPool, WorkerAssignment, kill_processes, standby_argv
-from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
+from ftd.v1 import agent_pb2, agent_pb2_grpc
 from ftd.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,15 +212,6 @@ class PushRelay:
                 channel.close()
 
 
-def records(out: Path) -> list[dict[str, Any]]:
-    found = []
-    for f in out.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # a line being written
-                found.append(json.loads(line))
-    return sorted(found, key=lambda r: r["t"])
-
-
 @pytest.mark.etcd
 @pytest.mark.slow
 def test_a_killed_node_is_replaced_from_warm_standbys(tmp_path: Path) -> None:
@@ -245,9 +236,7 @@ def test_a_killed_node_is_replaced_from_warm_standbys(tmp_path: Path) -> None:
                            for n in ("node-0", "node-2")}).start()
 
         def valid_step() -> int:
-            target = operator.call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(job="demo"),
-                                   idempotent=True)
-            return int(target.checkpoint.step) if target.found else -1
+            return restore_target_step(operator, "demo")
 
         def max_step() -> int:
             return max((r["step"] for r in records(out) if r["event"] == "step"), default=-1)
