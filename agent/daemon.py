@@ -28,7 +28,7 @@ from ftd.v1 import agent_pb2, cluster_pb2
 
 from . import landing, rtt, tiers_wire
 from .bulk_copy import BulkServer
-from .handover_relay import Handover
+from .handover_relay import Handover, carry_parked
 from .health_measure import GpuSampler
 from .health_monitor import GpuFaults, HealthMonitor
 from .health_rules import Measurements
@@ -227,6 +227,7 @@ class AgentDaemon:
             previous = self._progress.step
             if not progress.HasField("restored") and self._progress.HasField("restored"):
                 progress.restored.CopyFrom(self._progress.restored)  # kept until a newer restore is reported
+            carry_parked(self._progress, progress)
             self._progress = progress
         if progress.step > previous >= 0:
             self.metrics.training_steps.inc(progress.step - previous)

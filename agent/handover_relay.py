@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from ftd.rpc import describe
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from .metrics import AgentMetrics
 from .preemption_notices import Notice
@@ -103,3 +103,13 @@ class Handover:
         """Why this node must not take a rank ("" when nothing says it goes away)."""
         notice = self.notice
         return f"preemption notice: {notice.describe(self.wall())}" if notice is not None else ""
+
+
+def carry_parked(previous: cluster_pb2.Progress, progress: cluster_pb2.Progress) -> None:
+    """The node's progress stays parked (``parked_step``) while its ranks report the stop step: a rank
+    that has not parked yet does not unpark the node, a failed final save (-1) on any rank wins, and
+    a later step (the new world trains on) clears it. Updates ``progress`` in place."""
+    if not previous.HasField("parked_step") or progress.step > previous.step:
+        return
+    progress.parked_step = min(progress.parked_step, previous.parked_step) if progress.HasField("parked_step") \
+        else previous.parked_step

@@ -346,7 +346,12 @@ class Membership:
                 continue
             in_job = job is not None and not job.closed and view.rank_of(node_id) >= 0
             restore = view.newest_restorable(job.job) if job is not None else -1
-            ready, why = handover_rules.handover_due(self.wall(), drain, restore, in_job, self.settings.handover)
+            parked = handover_rules.parked_step_of([
+                rt.progress.parked_step for n in view.world.ranks
+                if (rt := view.runtime.get(n)) is not None and rt.progress is not None
+                and rt.progress.HasField("parked_step")]) if in_job else None
+            ready, why = handover_rules.handover_due(self.wall(), drain, restore, in_job, self.settings.handover,
+                                                     parked)
             if ready:
                 view.verdicts[node_id] = Verdict(State.DEAD, f"planned hand-over ({drain.reason}): {why}", 0.0)
                 due.add(node_id)

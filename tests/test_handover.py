@@ -1,11 +1,11 @@
 """The planned hand-over decision (coordinator.handover): a pure function of now, the drain and the
-newest restorable step."""
+newest restorable step and the step the ranks parked at."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftd.coordinator.handover_rules import Drain, HandoverPolicy, decode, encode, handover_due
+from ftd.coordinator.handover_rules import Drain, HandoverPolicy, decode, encode, handover_due, parked_step_of
 
 T0 = 1_800_000_000.0
 
@@ -14,11 +14,29 @@ def drain(deadline: float = 0.0, baseline: int = 40) -> Drain:
     return Drain("node-1", "aws spot terminate notice", T0, deadline, baseline)
 
 
-def test_waits_for_a_newer_checkpoint_then_hands_over() -> None:
+def test_waits_for_the_parked_step_not_any_newer_one() -> None:
+    """The demo's lost step: a memory snapshot of step 41 committed while the ranks head for their stop
+    step 42 must not commit the hand-over (the new world would redo step 42)."""
     due, why = handover_due(T0 + 1, drain(deadline=T0 + 120), restore_step=40, has_job=True)
     assert not due and "waiting for the final checkpoint of node-1" in why and "119.0s" in why
-    due, why = handover_due(T0 + 2, drain(deadline=T0 + 120), restore_step=57, has_job=True)
-    assert due and "step 57 is valid" in why
+    assert "no rank parked yet" in why
+    due, why = handover_due(T0 + 2, drain(deadline=T0 + 120), restore_step=41, has_job=True)
+    assert not due, why
+    due, why = handover_due(T0 + 3, drain(deadline=T0 + 120), 41, True, parked_step=42)
+    assert not due and "ranks parked at step 42" in why
+    due, why = handover_due(T0 + 4, drain(deadline=T0 + 120), 42, True, parked_step=42)
+    assert due and "step 42 is valid" in why
+
+
+def test_a_failed_final_save_hands_over_at_once_from_the_newest_step() -> None:
+    due, why = handover_due(T0 + 1, drain(deadline=T0 + 120), 41, True, parked_step=-1)
+    assert due and "final checkpoint failed" in why and "step 41" in why
+
+
+def test_the_worlds_parked_step() -> None:
+    assert parked_step_of([]) is None
+    assert parked_step_of([42, 42]) == 42
+    assert parked_step_of([42, -1]) == -1
 
 
 def test_deadline_forces_the_hand_over_before_the_node_goes() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import threading
 
-from ftd.agent.handover_relay import Handover
+from ftd.agent.handover_relay import Handover, carry_parked
 from ftd.agent.metrics import AgentMetrics
 from ftd.agent.preemption_notices import Notice, NoticeKind
 from ftd.training.handover_stop import HandoverFlag, agree_any
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
 from ftd.waiting import wait_for
 
 NOW = 1_800_000_000.0
@@ -66,3 +66,16 @@ def test_without_a_process_group_the_rank_decides_alone() -> None:
     assert not agree_any(flag.pending)
     flag.update(True, "node-1: aws terminate notice")
     assert agree_any(flag.pending) and flag.reason.startswith("node-1")
+
+
+def test_a_node_stays_parked_at_its_stop_step_until_the_training_moves_on() -> None:
+    def merged(previous: cluster_pb2.Progress, progress: cluster_pb2.Progress) -> int | None:
+        carry_parked(previous, progress)
+        return progress.parked_step if progress.HasField("parked_step") else None
+
+    parked = cluster_pb2.Progress(step=42, parked_step=42)
+    assert merged(cluster_pb2.Progress(step=41), cluster_pb2.Progress(step=42)) is None
+    assert merged(parked, cluster_pb2.Progress(step=42)) == 42  # another rank, not parked yet
+    assert merged(parked, cluster_pb2.Progress(step=42, parked_step=-1)) == -1  # its final save failed
+    assert merged(cluster_pb2.Progress(step=42, parked_step=-1), cluster_pb2.Progress(step=42, parked_step=42)) == -1
+    assert merged(parked, cluster_pb2.Progress(step=43)) is None  # the new world trains on

@@ -120,7 +120,10 @@ class AgentLink:
 
     def report(self, rank: int, step: int | None = None, loss: float | None = None, grad_norm: float | None = None,
                error: str = "", error_kind: str = "", flops: float | None = None,
-               checkpoint: agent_pb2.CheckpointEvent | None = None) -> agent_pb2.ReportProgressResponse:
+               checkpoint: agent_pb2.CheckpointEvent | None = None,
+               parked_step: int | None = None) -> agent_pb2.ReportProgressResponse:
+        """``parked_step`` (with ``step``): this rank stopped there for a planned hand-over (-1: its final
+        save failed); the coordinator commits the hand-over once that step is restorable."""
         request = agent_pb2.ReportProgressRequest(rank=rank, checkpoint_error=error, checkpoint_error_kind=error_kind)
         if checkpoint is not None:
             request.checkpoint.CopyFrom(checkpoint)
@@ -132,6 +135,8 @@ class AgentLink:
                 request.progress.grad_norm = grad_norm
             if flops is not None:
                 request.progress.flops = flops
+            if parked_step is not None:
+                request.progress.parked_step = parked_step
         return self._call("ReportProgress", request, timeout_s=2.0)  # type: ignore[no-any-return]
 
     def close(self) -> None:

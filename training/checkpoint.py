@@ -294,12 +294,16 @@ class Checkpointer:
         process once the hand-over is committed. Raises :class:`HandoverTimeout` when nothing happened
         within ``timeout_s`` (the hand-over was lost; the job goes on from here)."""
         result = self.wait()
-        if result is None or result.step != step or not result.ok:
+        committed = result is not None and result.step == step and result.ok
+        if not committed:
             why = "no save" if result is None else f"step {result.step}: {result.error or 'ok'}"
             log.error("final checkpoint of step %d not committed (%s): the hand-over resumes from an older step",
                       step, why)
         else:
             log.warning("final checkpoint of step %d committed; waiting for the new world", step)
+        # The coordinator waits for this step (not any newer one) before it commits the new world.
+        with contextlib.suppress(AgentUnavailable, CatalogRefused):
+            self.agent.report(self.rank, step=step, parked_step=step if committed else -1)
         self._handover.parked.set()
         threading.Event().wait(timeout_s)  # the agent's SIGTERM (the emergency flush's handler) ends this wait
         raise HandoverTimeout(f"no new world within {timeout_s:g}s of the final checkpoint of step {step}")

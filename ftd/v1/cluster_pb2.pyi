@@ -257,6 +257,7 @@ class Progress(_message.Message):
     GRAD_NORM_FIELD_NUMBER: _builtins.int
     FLOPS_FIELD_NUMBER: _builtins.int
     RESTORED_FIELD_NUMBER: _builtins.int
+    PARKED_STEP_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """-1 when no step was reported yet"""
     reported_unix_s: _builtins.float
@@ -268,6 +269,13 @@ class Progress(_message.Message):
     about 6 x parameters x tokens of the rank's step for a dense transformer, no recomputation), not
     a rate. The agent divides by the measured step time and the GPU's peak (agent/mfu.py) for
     ftd_agent_training_mfu_ratio. Absent: no MFU.
+    """
+    parked_step: _builtins.int
+    """A planned hand-over (ftd.training.Checkpointer.hand_over): the step every rank stopped at and
+    committed as the final checkpoint; -1: the ranks parked but that save failed. The coordinator
+    commits the hand-over once this step is restorable (not at any newer step: an ordinary snapshot
+    committed before the stop step would lose the steps up to it). Cleared by the agent once the
+    training reports a later step.
     """
     @_builtins.property
     def restored(self) -> Global___Restored:
@@ -284,10 +292,11 @@ class Progress(_message.Message):
         grad_norm: _builtins.float | None = ...,
         flops: _builtins.float | None = ...,
         restored: Global___Restored | None = ...,
+        parked_step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "restored", b"restored"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "restored", b"restored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__flops: _TypeAlias = _typing.Literal["flops"]  # noqa: Y015
     _WhichOneofArgType__flops: _TypeAlias = _typing.Literal["_flops", b"_flops"]  # noqa: Y015
@@ -295,6 +304,8 @@ class Progress(_message.Message):
     _WhichOneofArgType__grad_norm: _TypeAlias = _typing.Literal["_grad_norm", b"_grad_norm"]  # noqa: Y015
     _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
     _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    _WhichOneofReturnType__parked_step: _TypeAlias = _typing.Literal["parked_step"]  # noqa: Y015
+    _WhichOneofArgType__parked_step: _TypeAlias = _typing.Literal["_parked_step", b"_parked_step"]  # noqa: Y015
     _WhichOneofReturnType__restored: _TypeAlias = _typing.Literal["restored"]  # noqa: Y015
     _WhichOneofArgType__restored: _TypeAlias = _typing.Literal["_restored", b"_restored"]  # noqa: Y015
     @_typing.overload
@@ -303,6 +314,8 @@ class Progress(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_norm) -> _WhichOneofReturnType__grad_norm | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parked_step) -> _WhichOneofReturnType__parked_step | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restored) -> _WhichOneofReturnType__restored | None: ...
 
