@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ftd.checkpoints.copy import CopyMismatch, Expected, copy_shard, files_of
+from ftd.checkpoints.copy import CopyMismatch, Expected, copy_shard, files_of, published_manifest
 from ftd.checkpoints.layout import (
     MANIFEST,
     BadIdentifier,
@@ -282,7 +282,8 @@ def _land(source: Any, taken: _Taken, mem: Tier, node_id: str,
         if isinstance(exc, InvalidKey):
             raise BadRequest(str(exc)) from exc
         raise
-    _record(record, job, step, rank, mem, node_id)
+    landed = published_manifest(memory_store(mem), taken.prefix)
+    _record(record, job, step, rank, mem, node_id, checksum=landed.checksum if landed is not None else "")
 
 
 def _received(mem: Tier, metrics: ReplicationMetrics | None) -> None:
@@ -323,10 +324,10 @@ def memory_store(mem: Tier) -> MemoryTier:
 
 
 def _record(record: Callable[[checkpoint_pb2.RecordCopyRequest], Any], job: str, step: int, rank: int, mem: Tier,
-            node_id: str, present: bool = True) -> None:
+            node_id: str, present: bool = True, checksum: str = "") -> None:
     try:
         record(checkpoint_pb2.RecordCopyRequest(job=job, step=step, rank=rank, tier=mem.name, location=node_id,
-                                                present=present))
+                                                present=present, checksum=checksum))
     except (grpc.RpcError, ConnectionError) as exc:
         if present:
             raise CoordinatorUnreachable(

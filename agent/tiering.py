@@ -239,6 +239,8 @@ class Tiering:
             # Committed by this rank and not invalidated (a step still in progress is copied too).
             if record is None or record.invalid_reason or ident[2] not in record.shards:
                 continue
+            if record.shards[ident[2]].checksum != manifest.checksum:
+                continue  # another timeline's bytes under the same step (a restart re-saving it): not this shard
             eligible.setdefault((ident[0], ident[2]), []).append((ident, manifest))
         todo = []
         for shards in eligible.values():
@@ -339,7 +341,7 @@ class Tiering:
     def _record(self, manifest: ShardManifest, tier: Tier, present: bool) -> None:
         self.catalog("RecordCopy", checkpoint_pb2.RecordCopyRequest(
             job=manifest.job, step=manifest.step, rank=manifest.rank, tier=tier.name, location=tier.location,
-            present=present))
+            present=present, checksum=manifest.checksum if present else ""))
 
     def verify(self, job: str, step: int, rank: int, tier_name: str) -> tuple[bool, str, int]:
         """Re-reads one shard copy on one of this node's tiers against the catalog's record:

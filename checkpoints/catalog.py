@@ -107,6 +107,7 @@ class CheckpointRecord:
     shards: Mapping[int, ShardRecord] = field(default_factory=dict)
     invalid_reason: str = ""
     cadence: str = ""  # the job's save cadence when the step was first committed (CadencePolicy.describe)
+    round: int = -1  # the job round of the step's first commit (-1: not known); a newer round's timeline abandons it
 
     @property
     def complete(self) -> bool:
@@ -180,15 +181,19 @@ class Rollback:
 
 
 def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier: str, location: str,
-                 now: float, cadence: str = "") -> tuple[CheckpointRecord, str]:
+                 now: float, cadence: str = "", round_: int | None = None) -> tuple[CheckpointRecord, str]:
     """Admits one shard copy. Returns the new record and what happened; raises :class:`CatalogError`
-    when the shard contradicts the step (other world size, epoch or format; other bytes for a rank
-    already committed). ``cadence`` is kept with a new step."""
+    when the shard contradicts the step (other world size, epoch or format; an older round than the
+    step's; other bytes for a rank already committed). ``cadence`` and ``round_`` (the saving
+    process's job round, None: not known) are kept with a new step."""
     if tier not in TIERS:
         raise CatalogError("tier", f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
     if record is None:
         record = CheckpointRecord(manifest.job, manifest.step, manifest.epoch, manifest.world_size,
-                                  manifest.format, now, cadence=cadence)
+                                  manifest.format, now, cadence=cadence, round=-1 if round_ is None else round_)
+    if round_ is not None and round_ < record.round:
+        raise CatalogError("round", f"step {manifest.step} of job {manifest.job} was first committed in round "
+                                    f"{record.round}; rank {manifest.rank} saves in round {round_}, which is over")
     for name, mine, theirs in (("world_size", manifest.world_size, record.world_size),
                                ("epoch", manifest.epoch, record.epoch), ("format", manifest.format, record.format)):
         if mine != theirs:
@@ -218,7 +223,7 @@ def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier:
 
 
 def superseded_by(records: Iterable[CheckpointRecord], manifest: ShardManifest,
-                  restored_step: int | None = None) -> list[CheckpointRecord]:
+                  restored_step: int | None = None, round_: int | None = None) -> list[CheckpointRecord]:
     """The job's records that a shard of a newer epoch abandons. A world change restarts every rank
     from one restore point, so a step saved after it in the new epoch starts a new timeline; the old
     timeline's steps after that point (committed before the failure, perhaps on a node that died)
@@ -229,10 +234,20 @@ def superseded_by(records: Iterable[CheckpointRecord], manifest: ShardManifest,
     *newer* than it are abandoned, so the step it resumed from and everything older stays whatever
     step number it saves. ``None`` (an older training side that does not say): the older epochs'
     steps at or after the shard's. A shard of an *older* epoch supersedes nothing:
-    :func:`commit_shard` refuses it."""
+    :func:`commit_shard` refuses it.
+
+    ``round_``: the saving process's job round (None: not known). A worker restart forms a new round
+    in the *same* epoch, and a new timeline with it: the same epoch's steps first committed by older
+    rounds are abandoned as an older epoch's are. Without it the new round's rank would find its
+    step committed with the old timeline's bytes (a step is never rewritten) while its own write had
+    replaced the old timeline's files: the catalog would name bytes no tier holds."""
     floor = manifest.step if restored_step is None else restored_step + 1
-    return sorted((r for r in records if r.job == manifest.job and r.step >= floor
-                   and r.epoch < manifest.epoch), key=lambda r: r.step)
+
+    def older(r: CheckpointRecord) -> bool:
+        return r.epoch < manifest.epoch or (round_ is not None and r.epoch == manifest.epoch and 0 <= r.round < round_)
+
+    return sorted((r for r in records if r.job == manifest.job and r.step >= floor and older(r)),
+                  key=lambda r: r.step)
 
 
 def add_copy(record: CheckpointRecord, rank: int, tier: str, location: str) -> CheckpointRecord:
@@ -436,6 +451,8 @@ def encode(record: CheckpointRecord, ranks: Sequence[int] | None = None) -> dict
             "format": record.format, "created_unix_s": record.created_unix_s, "invalid_reason": record.invalid_reason}
     if record.cadence:
         meta["cadence"] = record.cadence
+    if record.round >= 0:
+        meta["round"] = record.round
     out = {meta_key(record.job, record.step): _dump(meta)}
     for rank in record.shards if ranks is None else ranks:
         s = record.shards[rank]
@@ -497,7 +514,7 @@ def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], l
                 reason = f"catalog record {m['corrupt']} is corrupt"
             records[(job, step)] = CheckpointRecord(
                 job, step, int(m["epoch"]), int(m["world_size"]), str(m["format"]), float(m["created_unix_s"]),
-                shards.get((job, step), {}), reason, str(m.get("cadence", "")))
+                shards.get((job, step), {}), reason, str(m.get("cadence", "")), int(m.get("round", -1)))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if set(m) != {"corrupt"}:  # else the corrupt key was reported already
                 problems.append(f"catalog step {job}/{step} has no usable meta record: {exc!r}")

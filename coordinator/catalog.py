@@ -160,22 +160,25 @@ class CatalogKeeper:
                 raise errors.TooMany(f"the catalog holds checkpoints of {validation.MAX_CATALOG_JOBS} jobs already; "
                                      f"job {manifest.job} is refused until old ones are deleted")
             restored = request.restored_step if request.HasField("restored_step") else None
-            abandoned = rules.superseded_by(records.values(), manifest, restored)
+            round_ = request.round if request.HasField("round") else None
+            self._check_round(manifest, round_)
+            abandoned = rules.superseded_by(records.values(), manifest, restored, round_)
             if abandoned:  # a new timeline (restarted from an older step in a newer epoch) takes over
                 since = ("started from scratch" if restored == -1 else f"restored step {restored}"
                          if restored is not None else "restarted from an older step")
-                await self._delete(abandoned, f"{manifest.job}: epoch {manifest.epoch} saves step {manifest.step} "
+                where = f"epoch {manifest.epoch}" + (f" round {round_}" if round_ is not None else "")
+                await self._delete(abandoned, f"{manifest.job}: {where} saves step {manifest.step} "
                                               f"after it {since}; steps {[r.step for r in abandoned][:10]} of the "
                                               "abandoned timeline removed")
-                log.warning("job %s: step %d saved in epoch %d (%s); removed steps %s of older epochs (abandoned "
-                            "timeline)", manifest.job, manifest.step, manifest.epoch, since,
+                log.warning("job %s: step %d saved in %s (%s); removed steps %s of older epochs or rounds "
+                            "(abandoned timeline)", manifest.job, manifest.step, where, since,
                             [r.step for r in abandoned][:20])
                 records = self._records()
             before = records.get((manifest.job, manifest.step))
             cadence = validation.clip(validation.one_line(request.cadence), 200)
             try:
                 record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall(),
-                                                  cadence)
+                                                  cadence, round_)
             except rules.CatalogError as exc:
                 raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
             if before is not None and record == before:
@@ -196,6 +199,14 @@ class CatalogKeeper:
                 (log.debug if memory else log.info)("checkpoint %s step %d is valid (%d shards, %d bytes)",
                                                     record.job, record.step, record.world_size, record.total_bytes)
             return checkpoint_pb2.CommitShardResponse(checkpoint=rules.to_info(record), message=what)
+
+    def _check_round(self, manifest: ShardManifest, round_: int | None) -> None:
+        """A shard saved in a round the job has left (a worker of a failed round still writing) is
+        refused: its timeline is abandoned, and its commit would mix into the new round's steps."""
+        job = self.state.require_leader().jobs.get(manifest.job)
+        if round_ is not None and job is not None and job.epoch == manifest.epoch and round_ < job.round:
+            raise errors.CatalogConflict(f"rank {manifest.rank} of job {manifest.job} saves step {manifest.step} in "
+                                         f"round {round_}, but the job is in round {job.round}: that round is over")
 
     def _memory_pruned(self, record: rules.CheckpointRecord, rank: int, tier: str,
                        location: str) -> tuple[list[rules.CheckpointRecord], list[rules.CheckpointRecord]]:
@@ -227,6 +238,12 @@ class CatalogKeeper:
                 where = rules.CopyRef(request.tier, request.location)
                 what = f"rank {request.rank} copy on {where} is corrupt: {corrupt}"
             elif request.present:
+                if request.checksum and request.checksum != shard.checksum:
+                    raise errors.CatalogConflict(
+                        f"the copy of {job} step {step} rank {request.rank} on "
+                        f"{rules.CopyRef(request.tier, request.location)} "
+                        f"holds other bytes (checksum {request.checksum[:16]}) than the committed shard "
+                        f"(checksum {shard.checksum}): another timeline's, not recorded")
                 try:
                     new = rules.add_copy(record, request.rank, request.tier, request.location)
                 except rules.CatalogError as exc:

@@ -13,7 +13,7 @@ import pytest
 from controller_harness import WALL, Clock, cluster, make, reg, run, step
 
 from ftd.checkpoints.layout import BadIdentifier, check_step
-from ftd.coordinator import errors
+from ftd.coordinator import errors, rendezvous
 from ftd.coordinator.control import Controller
 from ftd.coordinator.jobs import JobKeeper
 from ftd.coordinator.model import NodeRecord, Role, World
@@ -248,6 +248,49 @@ def test_a_newer_epoch_saving_an_old_step_number_abandons_the_old_timeline() -> 
             await ctl.catalog.commit_shard(shard("j", 11, 0, 2, epoch=1))
         await ctl.catalog.commit_shard(shard("j", 11, 0, 2, crc="11111111", epoch=2))
         assert ctl.catalog.restore_target("j").checkpoint.step == 11
+
+    run(scenario)
+
+
+def test_a_worker_restart_in_the_same_epoch_abandons_the_failed_rounds_partial_step() -> None:
+    """chaos crash-mid-save: round 1 committed step 20 and rank 0 of step 25, then rank 1 died saving
+    25. Round 2 (same epoch) restored 20 and saves 25 again with other bytes: the old 25 goes (else
+    rank 0's commit is refused as a rewrite while its write replaced the old files, and the catalog
+    names bytes no tier holds); a late commit of round 1 is refused."""
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        view = ctl.committer.require_leader()
+        view.jobs["j"] = rendezvous.JobState("j", round=1, epoch=1, members=("a", "b"))
+
+        def saved(step: int, rank: int, crc: str, round_: int) -> checkpoint_pb2.CommitShardRequest:
+            request = shard("j", step, rank, 2, crc=crc)
+            request.round, request.restored_step = round_, 20 if round_ == 2 else -1
+            return request
+
+        for rank in (0, 1):
+            await ctl.catalog.commit_shard(saved(20, rank, "20202020", 1))
+        await ctl.catalog.commit_shard(saved(25, 0, "25252525", 1))
+        view.jobs["j"] = rendezvous.JobState("j", round=2, epoch=1, members=("a", "b"))
+        await ctl.catalog.commit_shard(saved(25, 1, "aaaaaaaa", 2))
+        steps = {c.step: c for c in ctl.catalog.list("j")}
+        assert [s.rank for s in steps[25].shards] == [1] and steps[20].valid
+        with pytest.raises(errors.CatalogConflict, match="round 1, but the job is in round 2"):
+            await ctl.catalog.commit_shard(saved(25, 0, "25252525", 1))
+        await ctl.catalog.commit_shard(saved(25, 0, "bbbbbbbb", 2))
+        record = ctl.committer.require_leader().catalog[("j", 25)]
+        assert record.valid and record.round == 2 and record.shards[0].checksum != steps[20].shards[0].checksum
+        assert ctl.catalog.restore_target("j").checkpoint.step == 25
+        # A copy that holds another timeline's bytes is never recorded as the committed shard's.
+        copy = checkpoint_pb2.RecordCopyRequest(job="j", step=25, rank=0, tier="hdd", location="shared",
+                                                present=True, checksum="0badc0de")
+        with pytest.raises(errors.CatalogConflict, match="other bytes .checksum 0badc0de. than the committed shard"):
+            await ctl.catalog.record_copy(copy)
+        copy.checksum = record.shards[0].checksum
+        recorded = await ctl.catalog.record_copy(copy)
+        assert [c.tier for c in recorded.checkpoint.shards[0].copies] == ["hdd", "ssd"]
 
     run(scenario)
 

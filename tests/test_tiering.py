@@ -182,6 +182,7 @@ class FakeCatalog:
         self.copies.append((r.step, CopyRef(r.tier, r.location).key, r.present, r.corrupt_reason))
         record = self.records[(r.job, r.step)]
         if r.present and not r.corrupt_reason:
+            assert not r.checksum or r.checksum == record.shards[r.rank].checksum, "the coordinator refuses this"
             record = rules.add_copy(record, r.rank, r.tier, r.location)
         else:
             record = rules.drop_copy(record, r.rank, r.tier, r.location, r.corrupt_reason)
@@ -216,6 +217,23 @@ def backend(tier: Tier) -> MemoryBackend:
 
 
 # ---- one pass ---------------------------------------------------------------------------------------
+
+
+def test_another_timelines_bytes_under_a_committed_step_are_never_copied_or_recorded(tiers: list[Tier]) -> None:
+    """A restart re-saved step 2 with other bytes whose commit was refused: the SSD folder is not the
+    catalog's shard, so it is not copied to the HDD nor recorded there as the committed shard."""
+    ssd, hdd, _ = (backend(t) for t in tiers)
+    catalog, clock = FakeCatalog(), FakeClock()
+    save_shard(ssd, catalog, 1, size=1000)
+    committed = save_shard(ssd, catalog, 2, size=1000)
+    other = bytes([7]) * 1000
+    prefix = shard_prefix(JOB, 2, 0)
+    ssd.objects[f"{prefix}/state.pt"] = other
+    ssd.objects[f"{prefix}/{MANIFEST}"] = ShardManifest(JOB, 2, 1, 0, 1, "torch", (
+        FileEntry("state.pt", 1000, crc32c_hex(other)),)).encode()
+    Tiering(tiers[:2], catalog, keep=3, clock=clock, sleep=clock.sleep).pass_once()
+    assert [(step, where) for step, where, present, _ in catalog.copies if present] == [(1, "hdd@shared")]
+    assert hdd.steps() == {1} and catalog.records[(JOB, 2)].shards[0].checksum == committed.checksum
 
 
 def test_one_pass_copies_newest_first_records_every_copy_and_keeps_the_newest_three(tiers: list[Tier]) -> None:

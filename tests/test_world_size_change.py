@@ -8,6 +8,7 @@ and the drill's verdict on what the new world resumed from."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,22 @@ def test_only_steps_newer_than_the_restored_one_are_abandoned() -> None:
     # An older training side that does not say: the steps at or after the saved one (the old rule).
     assert [r.step for r in rules.superseded_by(old, manifest(9, 0, 2, epoch=2))] == [9, 10, 11]
     assert rules.superseded_by(old, manifest(12, 0, 4, epoch=1), restored_step=9) == [], "same epoch: nothing"
+
+
+def test_a_new_round_in_the_same_epoch_abandons_the_older_rounds_steps() -> None:
+    """A worker restart forms round 3 in epoch 1: its timeline abandons what rounds 1 and 2 committed
+    after the step it restored, not what round 3 itself committed, nor records of an unknown round."""
+    def in_round(step: int, round_: int) -> CheckpointRecord:
+        record, _ = commit_shard(None, manifest(step, 0, 2), "ssd", "a", 1.0, round_=round_)
+        return record
+
+    old = [in_round(20, 1), in_round(25, 2), in_round(30, 3), replace(in_round(35, 1), round=-1)]
+    assert [r.step for r in rules.superseded_by(old, manifest(25, 1, 2), restored_step=20, round_=3)] == [25]
+    assert rules.superseded_by(old, manifest(25, 1, 2), restored_step=20) == [], "no round said: as before"
+    # The round is kept with the record and refused when older than the step's.
+    assert old[1].round == 2 and rules.decode_all(rules.encode(old[1]))[0][(JOB, 25)].round == 2
+    with pytest.raises(rules.CatalogError, match="first committed in round 2; rank 1 saves in round 1"):
+        commit_shard(old[1], manifest(25, 1, 2), "ssd", "b", 2.0, round_=1)
 
 
 # ---- on_no_spare in the rendezvous ------------------------------------------------------------------------

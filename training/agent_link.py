@@ -51,6 +51,7 @@ class AgentLink:
         self._channel = rpc.channel(f"unix:{path}")
         self._stub = agent_pb2_grpc.AgentStub(self._channel)
         self.restored_step: int | None = None  # what this world restored (-1: nothing); None: no restore asked
+        self.round: int | None = None  # the job round this process runs in (FTD_ROUND); None: not known
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
@@ -72,10 +73,12 @@ class AgentLink:
         """``tier`` "" is the SSD; "mem" a memory snapshot (the agent replicates it to its buddy).
         ``from_tier`` "mem": the shard's bytes are in the memory tier, and the agent copies them to
         ``tier`` before it commits (the durable step of a memory snapshot: allow ``timeout_s``).
-        :attr:`restored_step` goes with it (when a restore was asked)."""
+        :attr:`restored_step` goes with it (when a restore was asked), and :attr:`round` when known."""
         request = checkpoint_pb2.CommitShardRequest(manifest=manifest, tier=tier, cadence=cadence, from_tier=from_tier)
         if self.restored_step is not None:
             request.restored_step = self.restored_step
+        if self.round is not None:
+            request.round = self.round
         return self._call("CommitShard", request, timeout_s=timeout_s)  # type: ignore[no-any-return]
 
     def fetch_shard(self, request: agent_pb2.FetchShardRequest,

@@ -140,6 +140,10 @@ class Checkpointer:
         tiers = self.agent.tiers()
         self.node_id = tiers.node_id
         self.epoch = epoch if epoch is not None else _env_int("FTD_EPOCH", self.agent.info().assignment.epoch)
+        # The job round (ftd's launcher and rendezvous handler set it): a restart in the same epoch
+        # is a new timeline, and the catalog tells the rounds' steps apart by it.
+        round_ = _env_int("FTD_ROUND", -1)
+        self.agent.round = round_ if round_ >= 0 else None
         self.tiers: list[Tier] = open_tiers(tiers_from_proto(tiers))  # the agent's own specs, fastest first
         self.ssd = next(t for t in self.tiers if t.name != MEMORY)
         self.mem: Tier | None = next((t for t in self.tiers if t.name == MEMORY), None)

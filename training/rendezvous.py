@@ -110,6 +110,9 @@ class FtdRendezvousHandler(RendezvousHandler):
                                              f"{self.join_timeout_s:g}s: {info.message}")
             time.sleep(_POLL_S)
         self._round, self._epoch = info.round, info.epoch
+        # torchrun's workers inherit this process's environment: the Checkpointer tags its commits
+        # with the round (a worker restart is a new timeline in the same epoch).
+        os.environ["FTD_ROUND"] = str(info.round)
         log.info("node %s joined job %s round %d (epoch %d) as rank %d of %d: %s", self.node_id, self.job,
                  info.round, info.epoch, info.rank, info.world_size, info.message)
         bootstrap = RendezvousStoreInfo.build(info.rank, store, local_addr=self.local_addr)

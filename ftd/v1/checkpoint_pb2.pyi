@@ -259,6 +259,7 @@ class CommitShardRequest(_message.Message):
     CADENCE_FIELD_NUMBER: _builtins.int
     FROM_TIER_FIELD_NUMBER: _builtins.int
     RESTORED_STEP_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     location: _builtins.str
     cadence: _builtins.str
@@ -275,6 +276,13 @@ class CommitShardRequest(_message.Message):
     not known (an older training side). A shard of a newer epoch abandons the older epochs' steps
     newer than this one only (the abandoned timeline), never the step the world restored or older.
     """
+    round: _builtins.int
+    """The job round the saving process runs in (FTD_ROUND: ftd's launcher and rendezvous handler set
+    it); absent: not known. A worker restart forms a new round in the same epoch and a new timeline
+    with it: a shard of a newer round abandons the same epoch's steps first committed by older
+    rounds newer than restored_step, as a newer epoch does; a shard of a round older than the job's
+    current one (a worker of a round already over) is refused.
+    """
     @_builtins.property
     def manifest(self) -> Global___ShardManifest: ...
     def __init__(
@@ -286,14 +294,20 @@ class CommitShardRequest(_message.Message):
         cadence: _builtins.str = ...,
         from_tier: _builtins.str = ...,
         restored_step: _builtins.int | None = ...,
+        round: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "manifest", b"manifest", "restored_step", b"restored_step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "_round", b"_round", "manifest", b"manifest", "restored_step", b"restored_step", "round", b"round"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "cadence", b"cadence", "from_tier", b"from_tier", "location", b"location", "manifest", b"manifest", "restored_step", b"restored_step", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "_round", b"_round", "cadence", b"cadence", "from_tier", b"from_tier", "location", b"location", "manifest", b"manifest", "restored_step", b"restored_step", "round", b"round", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__restored_step: _TypeAlias = _typing.Literal["restored_step"]  # noqa: Y015
     _WhichOneofArgType__restored_step: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step"]  # noqa: Y015
+    _WhichOneofReturnType__round: _TypeAlias = _typing.Literal["round"]  # noqa: Y015
+    _WhichOneofArgType__round: _TypeAlias = _typing.Literal["_round", b"_round"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restored_step) -> _WhichOneofReturnType__restored_step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__round) -> _WhichOneofReturnType__round | None: ...
 
 Global___CommitShardRequest: _TypeAlias = CommitShardRequest  # noqa: Y015
 
@@ -331,6 +345,7 @@ class RecordCopyRequest(_message.Message):
     LOCATION_FIELD_NUMBER: _builtins.int
     PRESENT_FIELD_NUMBER: _builtins.int
     CORRUPT_REASON_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     step: _builtins.int
     rank: _builtins.int
@@ -340,6 +355,10 @@ class RecordCopyRequest(_message.Message):
     """false: the copy was deleted"""
     corrupt_reason: _builtins.str
     """set: the copy exists but failed verification"""
+    checksum: _builtins.str
+    """The copy's manifest checksum (ShardManifest.checksum) where the recorder read it: a copy present
+    with other bytes than the committed shard's (another timeline's) is refused, never recorded.
+    """
     def __init__(
         self,
         *,
@@ -350,10 +369,11 @@ class RecordCopyRequest(_message.Message):
         location: _builtins.str = ...,
         present: _builtins.bool = ...,
         corrupt_reason: _builtins.str = ...,
+        checksum: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["corrupt_reason", b"corrupt_reason", "job", b"job", "location", b"location", "present", b"present", "rank", b"rank", "step", b"step", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum", b"checksum", "corrupt_reason", b"corrupt_reason", "job", b"job", "location", b"location", "present", b"present", "rank", b"rank", "step", b"step", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
