@@ -39,6 +39,7 @@ from .metrics import CoordinatorMetrics
 from .settings import CoordinatorSettings
 from .store import Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
 from .store_calls import StoreCalls
+from .straggler_watch import StragglerWatch
 
 log = logging.getLogger("ftd.coordinator")
 
@@ -72,10 +73,14 @@ class Controller:
             settings.write_rate_per_node_s, settings.write_burst_per_node,
             clock=clock, on_limited=self.security.count_limited)
         self.membership = Membership(self.committer, settings, self.metrics, self.wake, clock, wall, self.limiter)
-        self.jobs = JobKeeper(self.committer, round_started=self.membership.round_started,
+        self.jobs = JobKeeper(self.committer, round_started=self._round_started,
                               push_all=self.membership.push_all, wake=self.wake, wall=wall, limiter=self.limiter)
         self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter)
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
+        self.stragglers = StragglerWatch(self.committer, settings.straggler, self.metrics, self.drains.drain, clock,
+                                         wall)
+        self.membership.on_progress = self.stragglers.observe
+        self.membership.also_unfit = self.stragglers.unfit
         self.gauges = Gauges(self.committer, self.membership, self.catalog, self.metrics, self.security, clock)
         self.alarms = AlarmWatch(store, self.calls, self.committer, self.security)
         self.event_log = EventLog(store, self.calls)
@@ -119,6 +124,7 @@ class Controller:
             return
         state.suspended = False
         self.membership.new_term()
+        self.stragglers.new_term()
         self.metrics.is_leader.set(1)
         set_identity(role="leader", epoch=state.view.world.epoch)
         state.view.etcd_alarms = list(self.alarms.raised)
@@ -222,6 +228,8 @@ class Controller:
         if not self.is_leader:
             return
         await self.membership.tick()
+        if self.committer.view is not None:
+            await self.stragglers.tick(self.membership.healthy_spares())
         if self.membership.changed or now - self.gauges.published_at >= 1.0:
             self.gauges.publish()
 
@@ -249,10 +257,23 @@ class Controller:
         return view.status(self.replica_id, self.address, self.committer.lease.leader.since_unix_s,
                            self.calls.etcd_ok)
 
+    def _round_started(self, restore_step: int) -> None:
+        self.membership.round_started(restore_step)
+        self.stragglers.round_started()
+
     def nodes(self, request: coordinator_pb2.ListNodesRequest | None = None) -> coordinator_pb2.ListNodesResponse:
-        """A page of nodes (the first, of the default size, without a request)."""
+        """A page of nodes (the first, of the default size, without a request), with what the straggler
+        watch says of each."""
         request = request or coordinator_pb2.ListNodesRequest()
-        return self.committer.require_leader().node_page(self.clock(), request.page_size, request.page_token)
+        page = self.committer.require_leader().node_page(self.clock(), request.page_size, request.page_token)
+        for info in page.nodes:
+            judged = self.stragglers.judged.get(info.node_id)
+            if judged is not None:
+                info.straggler_score, info.straggler_reason = judged.score, judged.reason[:300]
+            slow = self.stragglers.slow.get(info.node_id)
+            if slow is not None:
+                info.slow = slow[1]
+        return page
 
     async def event_page(self, request: coordinator_pb2.ListEventsRequest) -> coordinator_pb2.ListEventsResponse:
         view = self.committer.require_leader()

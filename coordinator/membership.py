@@ -81,6 +81,10 @@ class Membership:
         self._reachable: dict[str, buddies.Listed] = {}  # nodes neither dead nor fenced, with an agent address
         self._every: tuple[buddies.Listed, ...] = ()  # _reachable in node id order: the complete listing
         self._buddies: dict[str, buddies.Buddy] = {}
+        # Set by the controller: each heartbeat's progress goes to the straggler watch, which also
+        # names spares not to promote (replaced as stragglers, no passing health check since).
+        self.on_progress: Callable[[str, cluster_pb2.Progress], None] = lambda node_id, progress: None
+        self.also_unfit: Callable[[dict[str, cluster_pb2.HealthVerdict | None]], dict[str, str]] = lambda v: {}
 
     def new_term(self) -> None:
         """A new leadership term: the first judgement has no previous one to measure a stall from, and
@@ -154,6 +158,7 @@ class Membership:
             runtime.health = req.health
         if req.HasField("progress"):
             runtime.progress = req.progress
+            self.on_progress(req.node_id, req.progress)
             if self.recovery.open is not None:
                 self._recovery_progress(now, req.progress.step)
         self.metrics.heartbeats.inc()
@@ -369,7 +374,21 @@ class Membership:
                                              self.settings.require_spare_health)
             if not ok:
                 unfit.setdefault(node_id, why)
+        for node_id, why in self.also_unfit(self._verdicts(view)).items():
+            unfit.setdefault(node_id, why)
         return unfit
+
+    @staticmethod
+    def _verdicts(view: ClusterView) -> dict[str, cluster_pb2.HealthVerdict | None]:
+        return {n: rt.health.verdict if rt.health is not None and rt.health.HasField("verdict") else None
+                for n, rt in view.runtime.items()}
+
+    def healthy_spares(self) -> int:
+        """Spares that could take a rank now: alive, out of the world, fit for promotion."""
+        view = self.state.require_leader()
+        unfit = self._unfit_spares(view)
+        return sum(1 for n, node in view.nodes.items() if not node.fenced and view.rank_of(n) < 0 and n not in unfit
+                   and view.state_of(n)[0] == cluster_pb2.NODE_STATE_ALIVE)
 
     def _judge(self, view: ClusterView, now: float) -> None:
         detector = self.settings.detector

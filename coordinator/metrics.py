@@ -62,5 +62,12 @@ class CoordinatorMetrics:
         self.rpc_denied = Counter("ftd_coordinator_rpc_denied_total",
                                   "Calls refused by the authorization table (docs/security.md), by method and rule",
                                   ["method", "rule"], registry=r)
+        self.straggler_score = Gauge("ftd_coordinator_straggler_score",
+                                     "A node's median compute time per step over the other nodes' median "
+                                     "(coordinator/stragglers.py; 0: not judged)", ["node"], registry=r)
+        self.stragglers = Gauge("ftd_coordinator_stragglers", "Nodes of the world judged stragglers", registry=r)
+        self.straggler_replacements = Counter("ftd_coordinator_straggler_replacements_total",
+                                              "Stragglers handed over to a spare (straggler_action=replace)",
+                                              registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

@@ -13,6 +13,7 @@ from ftd.settings import require, setting
 
 from .detector import DetectorSettings
 from .handover_rules import HandoverPolicy
+from .stragglers import StragglerConfig
 
 ENV_PREFIX = "FTD_COORDINATOR_"
 
@@ -61,6 +62,22 @@ class CoordinatorSettings:
         5.0, "a planned hand-over is committed at least this long before the notice's deadline", "s")
     handover_max_wait_s: float = setting(
         60.0, "without a deadline, how long a hand-over waits for the job's final checkpoint", "s")
+    straggler_action: str = setting(
+        "alert", "what a straggler (a node computing much slower than the others) gets: alert (a gauge, an event, "
+                 "the FtdStraggler alert) or replace (a planned hand-over of its ranks to a healthy spare)")
+    straggler_threshold: float = setting(
+        1.5, "a node is slow in a judgement when its median compute time is this many times the other nodes'",
+        "ratio")
+    straggler_k: int = setting(3, "a straggler: slow in k of its last n judgements (one every 2 s)", "judgements")
+    straggler_n: int = setting(5, "the n of straggler_k", "judgements")
+    straggler_window_s: float = setting(60.0, "the per-node step timings a judgement looks at", "s")
+    straggler_min_samples: int = setting(5, "steps a node needs in the window to be judged", "steps")
+    straggler_min_evidence_s: float = setting(10.0, "and the time those steps must span", "s")
+    straggler_warmup_s: float = setting(20.0, "steps this soon after a round started are not evidence", "s")
+    straggler_min_replace_interval_s: float = setting(
+        600.0, "straggler_action=replace: at most one replacement per this long", "s")
+    straggler_strong_score: float = setting(
+        2.0, "a score below this is marginal: the last healthy spare is never spent on it", "ratio")
     fenced_node_retention_s: float = setting(
         86400.0, "a fenced node's record is deleted this long after its fence (0: kept for ever)", "s")
     write_rate_per_node_s: float = setting(
@@ -122,6 +139,10 @@ class CoordinatorSettings:
         require(self.handover_margin_s >= 0, "handover_margin_s", f"must be >= 0 (got {self.handover_margin_s})")
         require(self.handover_max_wait_s > 0, "handover_max_wait_s",
                 f"must be > 0 (got {self.handover_max_wait_s})")
+        try:
+            self.straggler  # noqa: B018 (validated by constructing it)
+        except ValueError as exc:
+            require(False, "straggler_*", str(exc))
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")
 
@@ -134,6 +155,13 @@ class CoordinatorSettings:
     def detector(self) -> DetectorSettings:
         return DetectorSettings(self.suspect_after_s, self.dead_after_s, self.disconnect_dead_after_s,
                                 self.stall_after_s)
+
+    @property
+    def straggler(self) -> StragglerConfig:
+        return StragglerConfig(self.straggler_threshold, self.straggler_k, self.straggler_n, self.straggler_window_s,
+                               self.straggler_min_samples, self.straggler_min_evidence_s, self.straggler_warmup_s,
+                               self.straggler_action, self.straggler_min_replace_interval_s,
+                               self.straggler_strong_score)
 
     @property
     def handover(self) -> HandoverPolicy:

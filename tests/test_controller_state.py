@@ -286,7 +286,7 @@ def test_a_worker_restart_in_the_same_epoch_abandons_the_failed_rounds_partial_s
         # A copy that holds another timeline's bytes is never recorded as the committed shard's.
         copy = checkpoint_pb2.RecordCopyRequest(job="j", step=25, rank=0, tier="hdd", location="shared",
                                                 present=True, checksum="0badc0de")
-        with pytest.raises(errors.CatalogConflict, match="other bytes .checksum 0badc0de. than the committed shard"):
+        with pytest.raises(errors.CatalogConflict, match=r"other bytes \(checksum 0badc0de\) than the committed shard"):
             await ctl.catalog.record_copy(copy)
         copy.checksum = record.shards[0].checksum
         recorded = await ctl.catalog.record_copy(copy)

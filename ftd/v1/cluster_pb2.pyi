@@ -258,6 +258,7 @@ class Progress(_message.Message):
     FLOPS_FIELD_NUMBER: _builtins.int
     RESTORED_FIELD_NUMBER: _builtins.int
     PARKED_STEP_FIELD_NUMBER: _builtins.int
+    TIMING_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """-1 when no step was reported yet"""
     reported_unix_s: _builtins.float
@@ -283,6 +284,12 @@ class Progress(_message.Message):
         reported by the training side): kept by the agent until a newer restore is reported.
         """
 
+    @_builtins.property
+    def timing(self) -> Global___StepTiming:
+        """How the step went (ftd.training.Checkpointer.report_step with a StepTimer): the agent sends the
+        timing of its slowest rank, the leader's straggler detector scores nodes by it.
+        """
+
     def __init__(
         self,
         *,
@@ -293,10 +300,11 @@ class Progress(_message.Message):
         flops: _builtins.float | None = ...,
         restored: Global___Restored | None = ...,
         parked_step: _builtins.int | None = ...,
+        timing: Global___StepTiming | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "restored", b"restored"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "restored", b"restored", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step", "timing", b"timing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__flops: _TypeAlias = _typing.Literal["flops"]  # noqa: Y015
     _WhichOneofArgType__flops: _TypeAlias = _typing.Literal["_flops", b"_flops"]  # noqa: Y015
@@ -308,6 +316,8 @@ class Progress(_message.Message):
     _WhichOneofArgType__parked_step: _TypeAlias = _typing.Literal["_parked_step", b"_parked_step"]  # noqa: Y015
     _WhichOneofReturnType__restored: _TypeAlias = _typing.Literal["restored"]  # noqa: Y015
     _WhichOneofArgType__restored: _TypeAlias = _typing.Literal["_restored", b"_restored"]  # noqa: Y015
+    _WhichOneofReturnType__timing: _TypeAlias = _typing.Literal["timing"]  # noqa: Y015
+    _WhichOneofArgType__timing: _TypeAlias = _typing.Literal["_timing", b"_timing"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__flops) -> _WhichOneofReturnType__flops | None: ...
     @_typing.overload
@@ -318,8 +328,48 @@ class Progress(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parked_step) -> _WhichOneofReturnType__parked_step | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restored) -> _WhichOneofReturnType__restored | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timing) -> _WhichOneofReturnType__timing | None: ...
 
 Global___Progress: _TypeAlias = Progress  # noqa: Y015
+
+@_typing.final
+class StepTiming(_message.Message):
+    """One step of one rank. compute_s is the time the rank spent computing (what the training wrapped in
+    its timer's compute phase: forward, backward, optimizer, without waiting in collectives where the
+    job can tell them apart); wall_s the whole step; data_s waiting for the next batch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPUTE_S_FIELD_NUMBER: _builtins.int
+    WALL_S_FIELD_NUMBER: _builtins.int
+    DATA_S_FIELD_NUMBER: _builtins.int
+    SAVE_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    compute_s: _builtins.float
+    wall_s: _builtins.float
+    data_s: _builtins.float
+    save: _builtins.bool
+    """the step also took a checkpoint (not evidence of a slow node)"""
+    rank: _builtins.int
+    """the reporting rank (the node's slowest)"""
+    def __init__(
+        self,
+        *,
+        compute_s: _builtins.float = ...,
+        wall_s: _builtins.float = ...,
+        data_s: _builtins.float = ...,
+        save: _builtins.bool = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "data_s", b"data_s", "rank", b"rank", "save", b"save", "wall_s", b"wall_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepTiming: _TypeAlias = StepTiming  # noqa: Y015
 
 @_typing.final
 class Restored(_message.Message):

@@ -670,6 +670,9 @@ class NodeInfo(_message.Message):
     HEALTH_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     STATE_REASON_FIELD_NUMBER: _builtins.int
+    STRAGGLER_SCORE_FIELD_NUMBER: _builtins.int
+    STRAGGLER_REASON_FIELD_NUMBER: _builtins.int
+    SLOW_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     host: _builtins.str
     pid: _builtins.int
@@ -683,6 +686,13 @@ class NodeInfo(_message.Message):
     """-1 when no heartbeat was seen by this leader"""
     agent_address: _builtins.str
     state_reason: _builtins.str
+    straggler_score: _builtins.float
+    """The leader's straggler detector (coordinator/stragglers.py): the node's median compute time over
+    the other nodes' median (0: not judged), and why; slow: set while the node, replaced as a
+    straggler, waits to pass its health checks again (it is not promoted meanwhile).
+    """
+    straggler_reason: _builtins.str
+    slow: _builtins.str
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -705,10 +715,13 @@ class NodeInfo(_message.Message):
         health: _cluster_pb2.Health | None = ...,
         progress: _cluster_pb2.Progress | None = ...,
         state_reason: _builtins.str = ...,
+        straggler_score: _builtins.float = ...,
+        straggler_reason: _builtins.str = ...,
+        slow: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["health", b"health", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "epoch", b"epoch", "health", b"health", "host", b"host", "labels", b"labels", "last_heartbeat_age_s", b"last_heartbeat_age_s", "node_id", b"node_id", "pid", b"pid", "progress", b"progress", "rank", b"rank", "role", b"role", "state", b"state", "state_reason", b"state_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "epoch", b"epoch", "health", b"health", "host", b"host", "labels", b"labels", "last_heartbeat_age_s", b"last_heartbeat_age_s", "node_id", b"node_id", "pid", b"pid", "progress", b"progress", "rank", b"rank", "role", b"role", "slow", b"slow", "state", b"state", "state_reason", b"state_reason", "straggler_reason", b"straggler_reason", "straggler_score", b"straggler_score"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
