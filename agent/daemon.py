@@ -84,6 +84,7 @@ class AgentDaemon:
         self._progress = cluster_pb2.Progress(step=-1)
         self.metrics.training_step.set(-1)
         self._progress_lock = threading.Lock()
+        self._timings: dict[int, cluster_pb2.StepTiming] = {}  # each local rank's latest step timing
         self._stop = threading.Event()
         # Each rank's durable hop (CommitShard from memory: a copy of its shard) holds a worker while it
         # runs: room for a node's ranks doing it at once, and the other calls beside them.
@@ -228,6 +229,11 @@ class AgentDaemon:
             if not progress.HasField("restored") and self._progress.HasField("restored"):
                 progress.restored.CopyFrom(self._progress.restored)  # kept until a newer restore is reported
             carry_parked(self._progress, progress)
+            if progress.step < previous:
+                self._timings.clear()  # a new world restarted from an older step: other ranks, maybe
+            if progress.HasField("timing"):
+                self._timings[progress.timing.rank] = progress.timing
+                progress.timing.CopyFrom(slowest(self._timings))
             self._progress = progress
         if progress.step > previous >= 0:
             self.metrics.training_steps.inc(progress.step - previous)
@@ -494,3 +500,8 @@ class AgentDaemon:
         if self.landing is not None:
             self.landing.close()
         self.client.close()
+
+
+def slowest(timings: dict[int, cluster_pb2.StepTiming]) -> cluster_pb2.StepTiming:
+    """The node's step timing: its slowest rank's latest (the rank that holds the others back)."""
+    return max(timings.values(), key=lambda t: t.compute_s)

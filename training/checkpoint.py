@@ -96,6 +96,7 @@ from .rank_state import RankState
 from .restore import RestoreError, Restorer, load_into
 from .save_loop import SaveLoop, SaveResult, failpoint
 from .snapshot import Snapshotter
+from .step_timing import StepTimer
 
 log = logging.getLogger("ftd.training.checkpoint")
 
@@ -156,6 +157,7 @@ class Checkpointer:
         # The cadence (step_end): measured on every rank, agreed by all (one all-reduce per decision).
         self.cadence_tracker = CadenceTracker(self.cadence, lambda values: agree_max(values, self.world_size))
         self._handover = HandoverFlag()
+        self.timing = StepTimer(self.rank)  # the straggler detector's evidence (training/step_timing.py)
         self.saves.cleanup_leftovers()
         self._emergency = EmergencyFlush(self.wait, emergency_signals, preemption_file, install_signal_handlers)
 
@@ -219,6 +221,7 @@ class Checkpointer:
         cadence."""
         if self.format == "dcp":
             check_template(state_dict)  # a bare optimizer could be saved, but never loaded back right
+        self.timing.saved()
         return self.saves.save(step, state_dict, memory=memory, durable=durable)
 
     def step_end(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> Future[SaveResult] | None:
@@ -278,9 +281,12 @@ class Checkpointer:
                     flops: float | None = None) -> None:
         """Tells the agent the training made progress (hang detection, dashboards). ``flops``: the
         model FLOPs of this rank's step (about 6 x parameters x tokens for a dense transformer), for
-        the MFU gauge. The answer says whether a planned hand-over is pending (:meth:`should_stop`)."""
+        the MFU gauge. What :attr:`timing` measured since the last report goes with it (the straggler
+        detector). The answer says whether a planned hand-over is pending (:meth:`should_stop`)."""
+        timing = self.timing.take()
         with contextlib.suppress(AgentUnavailable, CatalogRefused):
-            answer = self.agent.report(self.rank, step=step, loss=loss, grad_norm=grad_norm, flops=flops)
+            answer = self.agent.report(self.rank, step=step, loss=loss, grad_norm=grad_norm, flops=flops,
+                                       timing=timing)
             self._handover.update(answer.handover, answer.handover_reason)
 
     def should_stop(self, step: int) -> bool:

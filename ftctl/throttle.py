@@ -1,0 +1,125 @@
+"""A slow node, for real: every process of one local node (its agent's process group: the agent, its
+workers and standbys, and whatever they start later) held to a fraction of one CPU.
+
+The throttle is a CPU cgroup: cgroup v2's ``cpu.max`` where the unified hierarchy has the cpu
+controller, else cgroup v1's ``cpu.cfs_quota_us``. Without either (no root, a read-only cgroupfs)
+it falls back to duty-cycling the group with SIGSTOP/SIGCONT, the same average share in slices of
+``period_s``. Used by ``ftctl demo --straggler`` and the chaos matrix's slow-node scenarios; only
+process groups this tool's cluster started are ever touched (the caller passes their leader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+log = logging.getLogger("ftd.ftctl.throttle")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PERIOD_US = 100_000
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from /proc: field 5 of ``stat``)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            out.append(int(entry.name))
+    return out
+
+
+class CpuThrottle:
+    """``with CpuThrottle(pgid, 0.3): ...``; :attr:`how` says which mechanism held it."""
+
+    def __init__(self, pgid: int, fraction: float, period_s: float = 0.1) -> None:
+        if not 0.01 <= fraction < 1.0:
+            raise ValueError(f"a throttle keeps a fraction in [0.01, 1) of a CPU, got {fraction}")
+        self.pgid, self.fraction, self.period_s = pgid, fraction, period_s
+        self.how = ""
+        self._cgroup: Path | None = None
+        self._back: Path | None = None  # where the processes go when the throttle ends
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> CpuThrottle:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> str:
+        quota = int(self.fraction * PERIOD_US)
+        name = f"ftd-throttle-{os.getpid()}-{self.pgid}"
+        for how, base, limit in (("cgroup v2 cpu.max", CGROUP_ROOT, lambda d: (d / "cpu.max").write_text(
+                f"{quota} {PERIOD_US}")), ("cgroup v1 cpu.cfs_quota_us", CGROUP_ROOT / "cpu", lambda d: (
+                d / "cpu.cfs_quota_us").write_text(str(quota)))):
+            if how.startswith("cgroup v2") and "cpu" not in _read(base / "cgroup.controllers").split():
+                continue
+            if how.startswith("cgroup v1") and not (base / "cpu.cfs_quota_us").exists():
+                continue
+            group = base / name
+            try:
+                if how.startswith("cgroup v2") and "cpu" not in _read(base / "cgroup.subtree_control").split():
+                    (base / "cgroup.subtree_control").write_text("+cpu")
+                group.mkdir(exist_ok=True)
+                limit(group)
+                for pid in group_pids(self.pgid):
+                    with contextlib.suppress(ProcessLookupError, OSError):
+                        (group / "cgroup.procs").write_text(str(pid))
+            except OSError as exc:
+                log.info("%s not usable here (%s); trying the next way", how, exc)
+                with contextlib.suppress(OSError):
+                    group.rmdir()
+                continue
+            self._cgroup, self._back, self.how = group, base, how
+            return how
+        self.how = "SIGSTOP/SIGCONT duty cycle"
+        self._thread = threading.Thread(target=self._duty_cycle, name="ftd-throttle", daemon=True)
+        self._thread.start()
+        return self.how
+
+    def _duty_cycle(self) -> None:
+        run_s, stop_s = self.fraction * self.period_s, (1 - self.fraction) * self.period_s
+        while not self._stop.is_set():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGSTOP)
+            self._stop.wait(stop_s)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGCONT)
+            self._stop.wait(run_s)
+
+    def stop(self) -> None:
+        """Ends the throttle: the processes back in the parent cgroup (or continued), the cgroup removed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGCONT)
+        if self._cgroup is not None and self._back is not None:
+            for pid in _read(self._cgroup / "cgroup.procs").split():
+                with contextlib.suppress(OSError):
+                    (self._back / "cgroup.procs").write_text(pid)
+            with contextlib.suppress(OSError):
+                self._cgroup.rmdir()
+            self._cgroup = None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+__all__ = ["CpuThrottle", "group_pids"]
