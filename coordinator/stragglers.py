@@ -193,7 +193,7 @@ def replacement_due(now: float, judged: Sequence[Judgement], config: StragglerCo
     if spares == 1 and worst.score < config.strong_score:
         return None, (f"{worst.node_id} is a straggler with a marginal score {worst.score:.2f} "
                       f"(< {config.strong_score:g}); the last spare is kept for a failure")
-    return Replacement(worst.node_id, f"straggler: score {worst.score:.2f}: {worst.reason}"), "replace"
+    return Replacement(worst.node_id, worst.reason), "replace"
 
 
 __all__ = ["ALERT", "REPLACE", "Judgement", "Replacement", "StepSample", "StepWindow", "StragglerConfig",

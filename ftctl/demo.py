@@ -17,23 +17,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftd.v1 import checkpoint_pb2
+from ftd.v1 import checkpoint_pb2, coordinator_pb2
 from ftd.waiting import wait_for
 
 from . import drill, localcluster, preempt_drill
 from .json_shapes import status_dict
+from .throttle import CpuThrottle
+
+SLOW_SHARE = 0.25
+# The coordinator's straggler watch for a demo: replace a straggler, judged on 10 s windows (the
+# defaults, 60 s and 10 s of evidence, are for real jobs).
+STRAGGLER_DEMO_ARGS = ["--straggler-action", "replace", "--straggler-window-s", "10", "--straggler-min-evidence-s",
+                       "4", "--straggler-warmup-s", "5", "--straggler-min-replace-interval-s", "60"]
 
 
 def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool = False, say: Any = print,
              steps: int = 100000, memory_every: int = 1, persist_every: int = 1000, warmup_steps: int = 30,
              s3_endpoint: str = "",
              timeout_s: float = 150.0, preempt: bool = False, isolate: bool = False,
-             shared_hdd: bool = True, s3: bool = False) -> dict[str, Any]:
+             shared_hdd: bool = True, s3: bool = False, straggler: bool = False) -> dict[str, Any]:
     """Returns ``{"mode", "passed", "lost_steps", "drill", "checkpoints", "status_before",
     "status_after", "timeline", "workdir"}``; ``lost_steps`` and the drill's ``resumed_step`` are what
     the new world restored (never negative), not what the catalog offered. With ``preempt`` the
     victim gets a spot preemption notice instead of a SIGKILL: a planned hand-over after a final
-    checkpoint. ``isolate``: in the network lab
+    checkpoint. With ``straggler`` the victim is made slow instead (every process of the node held to
+    a quarter of a CPU, its heartbeats still green): the coordinator's straggler watch (replace policy,
+    short windows for a demo) finds it and hands its rank over to the spare through the same planned
+    hand-over, and the decisions and their reasons go into the timeline. ``isolate``: in the network lab
     that ``ftctl demo --isolate`` made under ``workdir/cluster`` (this runs in its ctl namespace)."""
     temp = workdir is None
     work = Path(tempfile.mkdtemp(prefix="ftd-demo-")) if workdir is None else workdir.resolve()
@@ -45,13 +55,18 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
         say(f"[{timeline[-1][0]:7.2f}s] {what}")
 
     out = work / "training"
+    # A straggler shows in compute: the demo's steps then do GPU-like work (about 30 ms on one core).
+    pace = "--step-time 0.02 --work 60" if straggler else "--step-time 0.05"
     train = localcluster.TrainOptions(
         cmd=f"-m ftd.training.demo_job --steps {steps} --memory-every {memory_every} --persist-every {persist_every} "
-            f"--step-time 0.05 --out {out}",
+            f"{pace} --out {out}",
         job="demo", min_nodes=nodes)
     mark(f"starting etcd, a coordinator and {nodes} active + {spares} spare agents in {work}")
     cluster = localcluster.up(work / "cluster", nodes, spares, s3_endpoint=s3_endpoint, train=train,
-                              shared_hdd=shared_hdd, isolate=isolate, s3=s3)
+                              shared_hdd=shared_hdd, isolate=isolate, s3=s3,
+                              extra_coordinator_args=STRAGGLER_DEMO_ARGS if straggler else None)
+    throttle: CpuThrottle | None = None
+    decided: list[str] = []
     client = cluster.client()
     try:
         before = status_dict(client.status())
@@ -73,7 +88,22 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
                  f"training past step {warmup_steps} with a restorable checkpoint", interval_s=0.2)
         before = status_dict(client.status())
         victim = before["world"][-1]
-        if preempt:
+        if straggler:
+            agent = next(a for a in cluster.agents if a.name == victim)
+            throttle = CpuThrottle(agent.pid, SLOW_SHARE)
+
+            def slow_down() -> str:
+                assert throttle is not None
+                how = throttle.start()
+                return (f"{victim} (rank {len(before['world']) - 1}) made slow: its agent and workers held to "
+                        f"{SLOW_SHARE:.0%} of a CPU ({how}); its heartbeats stay green")
+
+            mark(f"step {progress()}, newest valid checkpoint at step {valid_step()}; slowing {victim} down")
+            seq = _last_event_seq(client)
+            result = preempt_drill.run(client, victim, None, job_log=out, timeout_s=timeout_s, start=slow_down,
+                                       mode="straggler")
+            decided = _decisions(client, seq)
+        elif preempt:
             mark(f"step {progress()}, newest valid checkpoint at step {valid_step()}; a spot preemption notice "
                  f"for {victim} (rank {len(before['world']) - 1}): {preempt_drill.NOTICE_S:g}s to go")
             result = preempt_drill.run(client, victim, localcluster.notice_file(cluster, victim), job_log=out,
@@ -84,11 +114,14 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
             result = drill.run(client, victim, mode="node", timeout_s=timeout_s)
         for t, what in result.timeline[1:]:
             mark(f"  +{t:.2f}s {what}")
+        for what in decided:
+            mark(f"  decided: {what}")
         if result.resumed_step is not None:  # what the new world restored, as its Checkpointer reported
             source = f" ({result.resumed_from})" if result.resumed_from else ""
             mark(f"training resumed from checkpoint step {result.resumed_step}{source} (last step before the "
-                 f"{'hand-over' if preempt else 'kill'} {result.last_step_before}: {result.lost_steps} steps redone)")
-        if preempt:
+                 f"{'hand-over' if preempt or straggler else 'kill'} {result.last_step_before}: "
+                 f"{result.lost_steps} steps redone)")
+        if preempt or straggler:
             mark(f"job restarts counted: {result.restarts_before} before, {result.restarts_after} after")
         mark(f"verdict: {result.verdict}")
         after = status_dict(client.status())
@@ -96,14 +129,31 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
                  for c in client.checkpoints("demo")]
         valid = [c["step"] for c in ckpts if c["valid"]]
         mark(f"checkpoints: {len(ckpts)} in the catalog, valid steps {valid[-3:]} (last three kept per tier)")
-        return {"mode": result.mode, "passed": result.passed, "lost_steps": result.lost_steps,
+        passed = result.passed and (not straggler or any(d.startswith("straggler_detected") for d in decided))
+        return {"mode": result.mode, "passed": passed, "lost_steps": result.lost_steps,
+                **({"decisions": decided} if straggler else {}),
                 "handover_s": result.handover_s, "drill": result.as_dict(), "checkpoints": ckpts,
                 "status_before": before, "status_after": after,
                 "timeline": timeline, "workdir": str(work)}
     finally:
+        if throttle is not None:
+            throttle.stop()
         client.close()
         if not keep:
             localcluster.stop(cluster)
             mark("cluster stopped")
             if temp:
                 shutil.rmtree(work, ignore_errors=True)
+
+
+def _last_event_seq(client: Any) -> int:
+    events = client.call("ListEvents", coordinator_pb2.ListEventsRequest(limit=1), idempotent=True).events
+    return int(events[0].seq) if events else 0
+
+
+def _decisions(client: Any, after: int) -> list[str]:
+    """What the coordinator decided since event ``after`` and why: the straggler watch's verdicts
+    and the drain it asked for."""
+    events = client.call("ListEvents", coordinator_pb2.ListEventsRequest(after_seq=after), idempotent=True).events
+    kinds = ("straggler_detected", "straggler_cleared", "drain_requested")
+    return [f"{e.kind}: {e.message}" for e in events if e.kind in kinds]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,12 @@ def verdict(committed: bool, replacement: str | None, spares: int, lost: int | N
     return True, f"pass: {detail}"
 
 
-def run(client: CoordinatorClient, node_id: str, trigger: Path, job_log: Path | None = None,
-        notice_s: float = NOTICE_S, timeout_s: float = 120.0) -> DrillResult:
+def run(client: CoordinatorClient, node_id: str, trigger: Path | None, job_log: Path | None = None,
+        notice_s: float = NOTICE_S, timeout_s: float = 120.0, start: Callable[[], str] | None = None,
+        mode: str = "preempt") -> DrillResult:
+    """``trigger``: the node's notice file (a preemption notice is written there). ``start``: another
+    way the planned hand-over begins (``ftctl demo --straggler`` throttles the node and the
+    coordinator's straggler watch drains it); it returns the first line of the timeline."""
     status = client.status()
     world_before = list(status.world)
     if node_id not in world_before:
@@ -81,9 +86,14 @@ def run(client: CoordinatorClient, node_id: str, trigger: Path, job_log: Path | 
     epoch_before, spares, round_before = status.epoch, len(status.spares), status.job_round
     job = status.job if status.job and not status.job_closed else ""
     restarts_before = status.job_restarts
-    write_notice(trigger, notice_s, "ftctl drill --preempt")
+    if start is not None:
+        first = start()
+    else:
+        assert trigger is not None, "a preemption drill needs the node's notice file"
+        write_notice(trigger, notice_s, "ftctl drill --preempt")
+        first = f"preemption notice for {node_id} (rank {rank}): {notice_s:g}s"
     t0, wall0 = time.monotonic(), time.time()
-    timeline: list[tuple[float, str]] = [(0.0, f"preemption notice for {node_id} (rank {rank}): {notice_s:g}s")]
+    timeline: list[tuple[float, str]] = [(0.0, first)]
 
     def mark(what: str) -> float:
         elapsed = round(time.monotonic() - t0, 3)
@@ -134,7 +144,7 @@ def run(client: CoordinatorClient, node_id: str, trigger: Path, job_log: Path | 
     lost = lost_steps(last_before, resumed_step)
     ok, why = verdict(committed_s is not None, replacement, spares, lost, restarts_after == restarts_before,
                       recovered_s, bool(job))
-    return DrillResult(node_id, "preempt", rank, drained_s, replacement, epoch_before, epoch_after, committed_s,
+    return DrillResult(node_id, mode, rank, drained_s, replacement, epoch_before, epoch_after, committed_s,
                        last_before, resumed_step, lost, recovered_s, notice_s, timeout_s, why, ok, timeline,
                        handover_s=committed_s, restarts_before=restarts_before, restarts_after=restarts_after,
                        restore_target_step=target_step, resumed_from=reported.source if reported is not None else "")

@@ -1,11 +1,11 @@
-"""A slow node, for real: every process of one local node (its agent's process group: the agent, its
-workers and standbys, and whatever they start later) held to a fraction of one CPU.
+"""A slow node, for real: every process of one local node (its agent and every descendant: workers,
+standbys, and whatever they start later) held to a fraction of one CPU.
 
 The throttle is a CPU cgroup: cgroup v2's ``cpu.max`` where the unified hierarchy has the cpu
 controller, else cgroup v1's ``cpu.cfs_quota_us``. Without either (no root, a read-only cgroupfs)
 it falls back to duty-cycling the group with SIGSTOP/SIGCONT, the same average share in slices of
 ``period_s``. Used by ``ftctl demo --straggler`` and the chaos matrix's slow-node scenarios; only
-process groups this tool's cluster started are ever touched (the caller passes their leader).
+process trees this tool's cluster started are ever touched (the caller passes their root).
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` (from /proc: field 5 of ``stat``)."""
-    out = []
+def tree_pids(root: int) -> list[int]:
+    """``root`` and every live descendant (from /proc: the parent in field 4 of ``stat``). Workers
+    lead sessions of their own, so a process group would miss them; a cgroup keeps whatever they
+    start later."""
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -33,18 +35,23 @@ def group_pids(pgid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            out.append(int(entry.name))
-    return out
+        if len(fields) > 1:
+            parents[int(entry.name)] = int(fields[1])
+    out, todo = [], [root] if root in parents else []
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(child for child, parent in parents.items() if parent == pid)
+    return sorted(out)
 
 
 class CpuThrottle:
-    """``with CpuThrottle(pgid, 0.3): ...``; :attr:`how` says which mechanism held it."""
+    """``with CpuThrottle(root_pid, 0.3): ...``; :attr:`how` says which mechanism held it."""
 
-    def __init__(self, pgid: int, fraction: float, period_s: float = 0.1) -> None:
+    def __init__(self, root: int, fraction: float, period_s: float = 0.1) -> None:
         if not 0.01 <= fraction < 1.0:
             raise ValueError(f"a throttle keeps a fraction in [0.01, 1) of a CPU, got {fraction}")
-        self.pgid, self.fraction, self.period_s = pgid, fraction, period_s
+        self.root, self.fraction, self.period_s = root, fraction, period_s
         self.how = ""
         self._cgroup: Path | None = None
         self._back: Path | None = None  # where the processes go when the throttle ends
@@ -60,21 +67,21 @@ class CpuThrottle:
 
     def start(self) -> str:
         quota = int(self.fraction * PERIOD_US)
-        name = f"ftd-throttle-{os.getpid()}-{self.pgid}"
-        for how, base, limit in (("cgroup v2 cpu.max", CGROUP_ROOT, lambda d: (d / "cpu.max").write_text(
-                f"{quota} {PERIOD_US}")), ("cgroup v1 cpu.cfs_quota_us", CGROUP_ROOT / "cpu", lambda d: (
-                d / "cpu.cfs_quota_us").write_text(str(quota)))):
+        name = f"ftd-throttle-{os.getpid()}-{self.root}"
+        ways = (("cgroup v2 cpu.max", CGROUP_ROOT, "cpu.max", f"{quota} {PERIOD_US}"),
+                ("cgroup v1 cpu.cfs_quota_us", CGROUP_ROOT / "cpu", "cpu.cfs_quota_us", str(quota)))
+        for how, base, knob, value in ways:
             if how.startswith("cgroup v2") and "cpu" not in _read(base / "cgroup.controllers").split():
                 continue
-            if how.startswith("cgroup v1") and not (base / "cpu.cfs_quota_us").exists():
+            if how.startswith("cgroup v1") and not (base / knob).exists():
                 continue
             group = base / name
             try:
                 if how.startswith("cgroup v2") and "cpu" not in _read(base / "cgroup.subtree_control").split():
                     (base / "cgroup.subtree_control").write_text("+cpu")
                 group.mkdir(exist_ok=True)
-                limit(group)
-                for pid in group_pids(self.pgid):
+                (group / knob).write_text(value)
+                for pid in tree_pids(self.root):
                     with contextlib.suppress(ProcessLookupError, OSError):
                         (group / "cgroup.procs").write_text(str(pid))
             except OSError as exc:
@@ -92,11 +99,10 @@ class CpuThrottle:
     def _duty_cycle(self) -> None:
         run_s, stop_s = self.fraction * self.period_s, (1 - self.fraction) * self.period_s
         while not self._stop.is_set():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGSTOP)
+            held = tree_pids(self.root)
+            _signal(held, signal.SIGSTOP)
             self._stop.wait(stop_s)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGCONT)
+            _signal(held, signal.SIGCONT)
             self._stop.wait(run_s)
 
     def stop(self) -> None:
@@ -104,8 +110,7 @@ class CpuThrottle:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGCONT)
+            _signal(tree_pids(self.root), signal.SIGCONT)
         if self._cgroup is not None and self._back is not None:
             for pid in _read(self._cgroup / "cgroup.procs").split():
                 with contextlib.suppress(OSError):
@@ -115,6 +120,12 @@ class CpuThrottle:
             self._cgroup = None
 
 
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -122,4 +133,4 @@ def _read(path: Path) -> str:
         return ""
 
 
-__all__ = ["CpuThrottle", "group_pids"]
+__all__ = ["CpuThrottle", "tree_pids"]

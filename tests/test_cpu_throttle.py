@@ -3,7 +3,9 @@ one and by the SIGSTOP/SIGCONT duty cycle otherwise, and free again afterwards."
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from ftd.ftctl import throttle
-from ftd.ftctl.throttle import CpuThrottle, group_pids
+from ftd.ftctl.throttle import CpuThrottle, tree_pids
+from ftd.waiting import wait_for
 
 
 def cpu_seconds(pid: int) -> float:
@@ -27,13 +30,21 @@ def share(pid: int, seconds: float = 1.5) -> float:
     return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
 
 
+SPIN = "while True: pass"
+# A worker of a node leads a session of its own: the throttle must hold it through its parent.
+PARENT = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {SPIN!r}], start_new_session=True)\n{SPIN}"
+
+
 @pytest.fixture
 def busy() -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", PARENT], start_new_session=True)
     try:
+        wait_for(lambda: len(tree_pids(proc.pid)) == 2, 20, "the busy child started")
         yield proc
     finally:
-        proc.kill()
+        for pid in tree_pids(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=10)
 
 
@@ -42,12 +53,12 @@ def test_a_busy_process_group_is_held_to_its_share(busy: subprocess.Popen[bytes]
                                                    monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     if way == "duty-cycle":
         monkeypatch.setattr(throttle, "CGROUP_ROOT", tmp_path / "no-cgroupfs")
-    assert group_pids(busy.pid) == [busy.pid]
+    child = next(p for p in tree_pids(busy.pid) if p != busy.pid)
     with CpuThrottle(busy.pid, 0.25) as held:
         if way == "cgroup" and not held.how.startswith("cgroup"):
             pytest.skip(f"no writable CPU cgroup on this machine (fell back to {held.how})")
         assert held.how.startswith("cgroup" if way == "cgroup" else "SIGSTOP")
-        assert share(busy.pid) < 0.5, "a quarter of a CPU, generously bounded"
+        assert share(busy.pid) + share(child, 0.5) < 1.0, "a quarter of a CPU each, generously bounded"
     state = Path(f"/proc/{busy.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     assert state in ("R", "S"), f"the process runs again after the throttle (state {state})"
     if held.how.startswith("cgroup"):

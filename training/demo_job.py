@@ -24,6 +24,7 @@ buddy node) and a durable checkpoint every ``--persist-every`` steps or ``--pers
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -113,6 +114,16 @@ def params_crc(model: torch.nn.Module) -> str:
     return f"{int((words * weights).sum()) & 0xFFFFFFFFFFFF:012x}"
 
 
+class NoTimer:
+    """The plain baseline times nothing (it has no coordinator to tell)."""
+
+    def compute(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def data(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+
 class PlainCheckpoints:
     """What a job without ftd does (the baseline of bench/recovery.py): every rank torch.saves its
     state to a shared directory; a step counts once every rank's file is there."""
@@ -181,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a memory snapshot every N steps, by the save cadence (0: --ckpt-every saves only)")
     ap.add_argument("--persist-every", type=int, default=1000, help="with --memory-every: durable every N steps")
     ap.add_argument("--persist-every-s", type=float, default=0.0, help="with --memory-every: durable every S seconds")
+    ap.add_argument("--work", type=int, default=0,
+                    help="extra compute per step: this many 256x256 matmuls (about 0.5 ms each on one core), timed "
+                         "as the step's compute with the forward pass (what the straggler detector compares)")
     ap.add_argument("--finish-file", type=Path, default=None,
                     help="a finish line: once this file holds a step number, every rank stops after that step "
                          "(a test or chaos scenario ends the job when it has seen what it needs)")
@@ -222,13 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     emit(event="start", restored_step=restored[0] if restored else -1, params_crc=params_crc(model),
          restored_from=ckpt.restored_from, ddp_ready=ddp_ready, position=batches.position)
     last = args.steps - 1
+    timing = ckpt.timing if isinstance(ckpt, Checkpointer) else NoTimer()
+    work = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
     for step in range(start, args.steps):
         if args.finish_file is not None and last == args.steps - 1:
             last = min(last, finish_line(args.finish_file, last))
         if step > last:
             break
-        x, y = batches.next()
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        with timing.data():
+            x, y = batches.next()
+        with timing.compute():
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            for _ in range(args.work):
+                work @ work  # the compute a GPU kernel would do
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
