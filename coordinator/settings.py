@@ -78,6 +78,9 @@ class CoordinatorSettings:
         600.0, "straggler_action=replace: at most one replacement per this long", "s")
     straggler_strong_score: float = setting(
         2.0, "a score below this is marginal: the last healthy spare is never spent on it", "ratio")
+    straggler_min_excess_s: float = setting(
+        0.01, "and slow only when its median compute is this much longer than the others' (jitter is no straggler)",
+        "s")
     fenced_node_retention_s: float = setting(
         86400.0, "a fenced node's record is deleted this long after its fence (0: kept for ever)", "s")
     write_rate_per_node_s: float = setting(
@@ -161,7 +164,7 @@ class CoordinatorSettings:
         return StragglerConfig(self.straggler_threshold, self.straggler_k, self.straggler_n, self.straggler_window_s,
                                self.straggler_min_samples, self.straggler_min_evidence_s, self.straggler_warmup_s,
                                self.straggler_action, self.straggler_min_replace_interval_s,
-                               self.straggler_strong_score)
+                               self.straggler_strong_score, self.straggler_min_excess_s)
 
     @property
     def handover(self) -> HandoverPolicy:

@@ -12,6 +12,8 @@ it with :func:`judge_stragglers`:
   scores 1 everywhere and flags nobody.
 * **Robust to single slow steps**: medians over the window, so a checkpoint step, a garbage
   collection or one slow batch moves nothing; steps the training marked as a save step are left out.
+* **Noise is not a straggler**: a node is slow only when it is also ``min_excess_s`` slower per step
+  (a job whose timed compute is a millisecond would otherwise be judged on scheduler jitter).
 * **Evidence before action**: a node is judged only once it has ``min_samples`` steps spanning
   ``min_evidence_s`` in the window, none from the warm-up after a round started, and it is a
   straggler only when ``k`` of its last ``n`` judgements flagged it (hysteresis, as ByteRobust asks
@@ -42,6 +44,7 @@ class StragglerConfig:
     action: str = ALERT  # "alert" or "replace" (a planned hand-over of the node to a healthy spare)
     min_replace_interval_s: float = 600.0  # at most one replacement per this long
     strong_score: float = 2.0  # below this a score is marginal: the last spare is never spent on it
+    min_excess_s: float = 0.01  # and a node is slow only when this much slower per step (noise at small scales)
 
     def __post_init__(self) -> None:
         if self.threshold <= 1.0:
@@ -52,8 +55,9 @@ class StragglerConfig:
             raise ValueError("straggler window_s must be > 0, min_samples >= 1, min_evidence_s and warmup_s >= 0")
         if self.action not in (ALERT, REPLACE):
             raise ValueError(f"straggler action must be {ALERT!r} or {REPLACE!r}, got {self.action!r}")
-        if self.min_replace_interval_s < 0 or self.strong_score < self.threshold:
-            raise ValueError("straggler min_replace_interval_s must be >= 0 and strong_score >= threshold")
+        if self.min_replace_interval_s < 0 or self.strong_score < self.threshold or self.min_excess_s < 0:
+            raise ValueError("straggler min_replace_interval_s and min_excess_s must be >= 0 and strong_score "
+                             ">= threshold")
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ def judge_stragglers(window: StepWindow, config: StragglerConfig, now: float,
             continue
         others = statistics.median(m for n, m in medians.items() if n != node_id)
         score = medians[node_id] / others if others > 0 else 0.0
-        slow = score >= config.threshold
+        slow = score >= config.threshold and medians[node_id] - others >= config.min_excess_s
         history = (*flags.get(node_id, ()), slow)[-config.n:]
         flags[node_id] = history
         straggler = _is_straggler(history, config)

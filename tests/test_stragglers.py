@@ -146,6 +146,15 @@ def test_replacement_is_rate_limited_and_never_spends_the_last_spare_on_a_margin
     assert replacement_due(1000.0, straggler(3.0)[1:], replace, 2, None, False) == (None, "no straggler")
 
 
+def test_jitter_at_a_millisecond_is_no_straggler() -> None:
+    window = StepWindow()
+    window.round_started(0.0)
+    end = record(window, 40.0, lambda node, step, t: 0.003 if node == "node-1" else 0.001)
+    for judged in judge_every(window, end, since=20.0):
+        one = by_node(judged)["node-1"]
+        assert one.score == pytest.approx(3.0) and not one.straggler
+
+
 def test_config_validation() -> None:
     for bad, match in (({"threshold": 1.0}, "threshold"), ({"k": 4, "n": 3}, "k <= n"),
                        ({"action": "evict"}, "action"), ({"strong_score": 1.2}, "strong_score")):
