@@ -254,8 +254,12 @@ class Controller:
     def status(self) -> coordinator_pb2.ClusterStatus:
         view = self.committer.require_leader()
         assert self.committer.lease is not None
-        return view.status(self.replica_id, self.address, self.committer.lease.leader.since_unix_s,
-                           self.calls.etcd_ok)
+        status = view.status(self.replica_id, self.address, self.committer.lease.leader.since_unix_s,
+                             self.calls.etcd_ok)
+        status.stragglers.extend(f"{j.node_id}: {j.reason}"[:300] for j in self.stragglers.judged.values()
+                                 if j.straggler)
+        status.straggler_decision = self.stragglers.decision[:300]
+        return status
 
     def _round_started(self, restore_step: int) -> None:
         self.membership.round_started(restore_step)

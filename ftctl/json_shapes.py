@@ -19,6 +19,7 @@ def status_dict(status: Any) -> dict[str, Any]:
         "last_change_reason": status.last_change_reason, "last_change_unix_s": status.last_change_unix_s,
         "etcd_reachable": status.etcd_reachable, "draining": list(status.draining),
         "problems": list(status.problems), "etcd_alarms": list(status.etcd_alarms),
+        "stragglers": list(status.stragglers), "straggler_decision": status.straggler_decision,
         "job": {"id": status.job, "round": status.job_round, "restarts": status.job_restarts,
                 "max_restarts": status.job_max_restarts, "closed": status.job_closed, "message": status.job_message,
                 "round_unix_s": status.job_round_unix_s, "on_no_spare": status.job_on_no_spare or "shrink"}
@@ -43,4 +44,7 @@ def node_dict(n: Any) -> dict[str, Any]:
         # The agent's own verdict against its thresholds; None when it reports none.
         "healthy": n.health.verdict.healthy if n.health.HasField("verdict") else None,
         "health_reason": n.health.verdict.reason if n.health.HasField("verdict") else "",
+        # The leader's straggler watch: score against the other nodes (0: not judged), why, and the
+        # slow mark of a node replaced as a straggler (not promoted until it passes a health check).
+        "straggler_score": round(n.straggler_score, 3), "straggler_reason": n.straggler_reason, "slow": n.slow,
     }

@@ -58,6 +58,10 @@ def status(s: dict[str, Any]) -> str:
         lines.append(f"DEGRADED: {s['degraded_reason']}")
     if not s["etcd_reachable"]:
         lines.append("WARNING:  etcd is unreachable; membership changes are on hold")
+    for line in s.get("stragglers", []):
+        lines.append(f"STRAGGLER: {line}")
+    if s.get("stragglers") and s.get("straggler_decision"):
+        lines.append(f"straggler action: {s['straggler_decision']}")
     lines.append(f"last change: {s['last_change_reason']}")
     job = s.get("job")
     if job:
@@ -75,6 +79,10 @@ def _why(n: dict[str, Any]) -> str:
         parts.append(n["state_reason"])
     if n.get("healthy") is False:
         parts.append(f"unhealthy: {n['health_reason']}")
+    if n.get("slow"):
+        parts.append(f"slow: {n['slow']}")
+    elif n.get("straggler_reason", "").startswith("straggler"):
+        parts.append(n["straggler_reason"])
     return "; ".join(parts)
 
 
@@ -82,10 +90,12 @@ def nodes(items: Sequence[dict[str, Any]]) -> str:
     rows = [
         (n["node_id"], n["host"], n["pid"], n["role"], n["state"], n["rank"] if n["rank"] >= 0 else "-",
          n["epoch"], f"{n['last_heartbeat_age_s']:.2f}s" if n["last_heartbeat_age_s"] >= 0 else "-",
-         n["step"] if n["step"] is not None and n["step"] >= 0 else "-", _why(n))
+         n["step"] if n["step"] is not None and n["step"] >= 0 else "-",
+         f"{n['straggler_score']:.2f}" if n.get("straggler_score") else "-", _why(n))
         for n in items
     ]
-    return table(("NODE", "HOST", "PID", "ROLE", "STATE", "RANK", "EPOCH", "HEARTBEAT", "STEP", "WHY"), rows)
+    return table(("NODE", "HOST", "PID", "ROLE", "STATE", "RANK", "EPOCH", "HEARTBEAT", "STEP", "SLOWNESS", "WHY"),
+                 rows)
 
 
 def events(items: Sequence[dict[str, Any]]) -> str:
