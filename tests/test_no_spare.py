@@ -140,10 +140,12 @@ def test_no_spare_and_wait_waits_saying_why_until_a_spare_comes(make_run: Any) -
     proc, _, _ = localcluster.spawn_agent(run.cluster, "node-2", "spare", extra_args=run.train.agent_args(2))
     localcluster.wait_agent(run.cluster, "node-2", proc, timeout_s=60.0)
     assert pids["node-0"] in {a.pid for a in run.cluster.agents}
-    wait_for(lambda: {(r["node"], r["rank"]) for r in records(run.out)
-                      if r["event"] == "start" and r["world"] == 4 and r["node"] == "node-2"}
-             == {("node-2", 2), ("node-2", 3)}, 240, "the job to resume with the spare")
-    starts = [r for r in records(run.out) if r["event"] == "start" and r["world"] == 4 and r["restored_step"] >= 8]
+    def resumed() -> list[dict[str, Any]] | None:  # every rank's start line written, not only the spare's
+        starts = [r for r in records(run.out) if r["event"] == "start" and r["world"] == 4 and r["restored_step"] >= 8]
+        spare = {(r["node"], r["rank"]) for r in starts if r["node"] == "node-2"}
+        return starts if spare == {("node-2", 2), ("node-2", 3)} and len(starts) >= 4 else None
+
+    starts = wait_for(resumed, 240, "the job to resume with the spare, every rank restored")
     assert len({s["restored_step"] for s in starts}) == 1 and len(starts) == 4, starts
     assert not run.client.status().job_message.startswith("waiting"), run.client.status().job_message
     assert_nothing_corrupt(run)
