@@ -47,6 +47,7 @@ EXPORTED_METRICS = {
     "ftd_coordinator_checkpoint_interval_seconds",
     "ftd_coordinator_recovery_open_seconds",
     "ftd_coordinator_etcd_alarm",
+    "ftd_coordinator_straggler_score",
     # agent (one per node)
     "ftd_agent_connected",
     "ftd_agent_gpu_utilization_ratio",
@@ -98,6 +99,7 @@ EXPECTED_ALERTS = {
     "FtdRecoveryOverdue",
     "FtdTierSpaceLow",
     "FtdMfuLow",
+    "FtdStraggler",
     "FtdEtcdNoSpace",
     "FtdEtcdAlarm",
     "FtdNetworkLatencyHigh",
