@@ -74,6 +74,16 @@ def only_faulted_declared_dead(events: Iterable[Event], after_seq: int, faulted:
     return Check("no_false_death", True, f"only {sorted(faulted) or 'no node'} could be declared dead")
 
 
+def no_false_straggler_replacement(events: Iterable[Event], after_seq: int, faulted: Collection[str]) -> Check:
+    """No node outside the fault was drained as a straggler: a failure elsewhere (a death, a
+    partition, a slow disk) must not make the straggler watch act on a healthy node."""
+    wrong = sorted({str(e["node_id"]) for e in events if int(e["seq"]) > after_seq and e["kind"] == "drain_requested"
+                    and "straggler" in str(e.get("message", "")) and e["node_id"] not in faulted})
+    if wrong:
+        return Check("no_false_straggler", False, f"drained as stragglers outside the fault: {', '.join(wrong)}")
+    return Check("no_false_straggler", True, "no healthy node drained as a straggler")
+
+
 def job_finished(records: Iterable[Record], last_step: int) -> Check:
     done = [r for r in records if r.get("event") == "done"]
     if not done:

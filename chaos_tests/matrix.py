@@ -38,8 +38,9 @@ from .scenarios_data import SCENARIOS as DATA
 from .scenarios_network import SCENARIOS as NETWORK
 from .scenarios_process import SCENARIOS as PROCESS
 from .scenarios_storage import SCENARIOS as STORAGE
+from .scenarios_training import SCENARIOS as TRAINING
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in [*PROCESS, *NETWORK, *STORAGE, *DATA]}
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [*PROCESS, *NETWORK, *STORAGE, *DATA, *TRAINING]}
 ENV_INSIDE = "FTD_CHAOS_INSIDE"
 
 

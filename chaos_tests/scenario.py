@@ -52,6 +52,7 @@ class Shape:
     warmup_steps: int = 20
     agent_args: tuple[str, ...] = ()
     coordinator_args: tuple[str, ...] = ()
+    train_args: str = ""  # more arguments of the demo job (e.g. "--work 60": GPU-like compute per step)
     env: tuple[tuple[str, str], ...] = ()  # for every agent and its workers (failpoints)
 
     def hosts(self) -> list[str]:
@@ -132,7 +133,7 @@ class Context:
                    else f"--ckpt-every {shape.persist_every}")
         train = localcluster.TrainOptions(
             cmd=f"-m ftd.training.demo_job --steps 1000000 {cadence} --step-time {shape.step_time_s} --out {out} "
-                f"--finish-file {finish}", job=JOB, min_nodes=shape.nodes)
+                f"--finish-file {finish} {shape.train_args}".rstrip(), job=JOB, min_nodes=shape.nodes)
         cluster = localcluster.up(workdir / "cluster", shape.nodes, shape.spares, coordinators=shape.coordinators,
                                   racks=shape.racks, timeout_s=timeout_s, train=train, shared_hdd=shape.shared_hdd,
                                   isolate=True, etcd_members=shape.etcd, s3=shape.s3,
@@ -303,6 +304,7 @@ def judge(ctx: Context, outcome: Outcome, finish_line: int) -> list[Check]:
         invariants.no_valid_checkpoint_lost(b.valid_steps, ctx.valid_steps()),
         invariants.resumed_at_or_after(records, b.at_unix_s, b.restorable_step),
         invariants.only_faulted_declared_dead(events, b.last_seq, outcome.faulted),
+        invariants.no_false_straggler_replacement(events, b.last_seq, outcome.faulted),
         invariants.job_finished(records, finish_line),
         *outcome.checks,
     ]

@@ -11,6 +11,7 @@ newest restorable step (at most one step lost), prints the timeline, and tears e
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -40,7 +41,7 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
     "status_after", "timeline", "workdir"}``; ``lost_steps`` and the drill's ``resumed_step`` are what
     the new world restored (never negative), not what the catalog offered. With ``preempt`` the
     victim gets a spot preemption notice instead of a SIGKILL: a planned hand-over after a final
-    checkpoint. With ``straggler`` the victim is made slow instead (every process of the node held to
+    checkpoint. With ``straggler`` the victim is made slow instead (its training processes held to
     a quarter of a CPU, its heartbeats still green): the coordinator's straggler watch (replace policy,
     short windows for a demo) finds it and hands its rank over to the spare through the same planned
     hand-over, and the decisions and their reasons go into the timeline. ``isolate``: in the network lab
@@ -89,14 +90,14 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
         before = status_dict(client.status())
         victim = before["world"][-1]
         if straggler:
-            agent = next(a for a in cluster.agents if a.name == victim)
-            throttle = CpuThrottle(agent.pid, SLOW_SHARE)
+            throttle = CpuThrottle(worker_pids(out, victim), SLOW_SHARE)
 
             def slow_down() -> str:
                 assert throttle is not None
                 how = throttle.start()
-                return (f"{victim} (rank {len(before['world']) - 1}) made slow: its agent and workers held to "
-                        f"{SLOW_SHARE:.0%} of a CPU ({how}); its heartbeats stay green")
+                return (f"{victim} (rank {len(before['world']) - 1}) made slow: its training processes held to "
+                        f"{SLOW_SHARE:.0%} of a CPU ({how}), as a throttled GPU slows them; its agent and "
+                        "heartbeats stay healthy")
 
             mark(f"step {progress()}, newest valid checkpoint at step {valid_step()}; slowing {victim} down")
             seq = _last_event_seq(client)
@@ -157,3 +158,20 @@ def _decisions(client: Any, after: int) -> list[str]:
     events = client.call("ListEvents", coordinator_pb2.ListEventsRequest(after_seq=after), idempotent=True).events
     kinds = ("straggler_detected", "straggler_cleared", "drain_requested")
     return [f"{e.kind}: {e.message}" for e in events if e.kind in kinds]
+
+
+def worker_pids(out: Path, node: str) -> list[int]:
+    """The pids of ``node``'s current training processes: the newest ``start`` line of each of its
+    ranks in the demo job's log, still alive."""
+    newest: dict[int, tuple[float, int]] = {}
+    for path in out.glob(f"{node}-*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            if rec.get("event") == "start" and rec.get("node") == node:
+                rank = int(rec["rank"])
+                if rank not in newest or rec["t"] > newest[rank][0]:
+                    newest[rank] = (float(rec["t"]), int(rec["pid"]))
+    return [pid for _, pid in newest.values() if Path(f"/proc/{pid}").exists()]

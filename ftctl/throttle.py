@@ -1,5 +1,6 @@
-"""A slow node, for real: every process of one local node (its agent and every descendant: workers,
-standbys, and whatever they start later) held to a fraction of one CPU.
+"""A slow node, for real: processes of one local node (a node's training workers, as a throttled GPU
+slows them, or its agent and every descendant) and whatever they start later held to a fraction of
+one CPU.
 
 The throttle is a CPU cgroup: cgroup v2's ``cpu.max`` where the unified hierarchy has the cpu
 controller, else cgroup v1's ``cpu.cfs_quota_us``. Without either (no root, a read-only cgroupfs)
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger("ftd.ftctl.throttle")
@@ -22,10 +24,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
 
 
-def tree_pids(root: int) -> list[int]:
-    """``root`` and every live descendant (from /proc: the parent in field 4 of ``stat``). Workers
+def tree_pids(root: int | Sequence[int]) -> list[int]:
+    """The roots and every live descendant (from /proc: the parent in field 4 of ``stat``). Workers
     lead sessions of their own, so a process group would miss them; a cgroup keeps whatever they
     start later."""
+    roots = [root] if isinstance(root, int) else list(root)
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -37,7 +40,7 @@ def tree_pids(root: int) -> list[int]:
         fields = stat[stat.rfind(")") + 2:].split()
         if len(fields) > 1:
             parents[int(entry.name)] = int(fields[1])
-    out, todo = [], [root] if root in parents else []
+    out, todo = [], [r for r in roots if r in parents]
     while todo:
         pid = todo.pop()
         out.append(pid)
@@ -46,9 +49,10 @@ def tree_pids(root: int) -> list[int]:
 
 
 class CpuThrottle:
-    """``with CpuThrottle(root_pid, 0.3): ...``; :attr:`how` says which mechanism held it."""
+    """``with CpuThrottle(pids, 0.3): ...`` (one root pid or several, with their descendants);
+    :attr:`how` says which mechanism held it."""
 
-    def __init__(self, root: int, fraction: float, period_s: float = 0.1) -> None:
+    def __init__(self, root: int | Sequence[int], fraction: float, period_s: float = 0.1) -> None:
         if not 0.01 <= fraction < 1.0:
             raise ValueError(f"a throttle keeps a fraction in [0.01, 1) of a CPU, got {fraction}")
         self.root, self.fraction, self.period_s = root, fraction, period_s
@@ -67,7 +71,8 @@ class CpuThrottle:
 
     def start(self) -> str:
         quota = int(self.fraction * PERIOD_US)
-        name = f"ftd-throttle-{os.getpid()}-{self.root}"
+        first = self.root if isinstance(self.root, int) else min(self.root, default=0)
+        name = f"ftd-throttle-{os.getpid()}-{first}"
         ways = (("cgroup v2 cpu.max", CGROUP_ROOT, "cpu.max", f"{quota} {PERIOD_US}"),
                 ("cgroup v1 cpu.cfs_quota_us", CGROUP_ROOT / "cpu", "cpu.cfs_quota_us", str(quota)))
         for how, base, knob, value in ways:

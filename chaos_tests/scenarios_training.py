@@ -1,0 +1,118 @@
+"""Scenarios where training is slow, not dead: one node throttled (a straggler the coordinator hands
+over to the spare with no step lost) and every node throttled alike (nobody is replaced).
+
+Both run the demo job with GPU-like compute per step (``--work``) and the coordinator's straggler
+watch with the replace policy on demo-sized windows, so a false alarm would act, not only alert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from ftd.ftctl import preempt_drill
+from ftd.ftctl.demo import STRAGGLER_DEMO_ARGS
+from ftd.ftctl.throttle import CpuThrottle
+
+from .invariants import Check
+from .scenario import Context, Outcome, Scenario, Shape, within
+
+SLOW = Shape(step_time_s=0.02, warmup_steps=20, train_args="--work 60", coordinator_args=tuple(STRAGGLER_DEMO_ARGS))
+RATE_S = 6.0  # the step rate is measured over this long
+SETTLE_S = 12.0  # the job's rate settles after its warm-up (the agents' standby workers start with it)
+BACK_S = 60.0  # the most the rate may take to come back after the hand-over
+
+
+def step_rate(records: list[dict[str, Any]], since: float, until: float) -> float:
+    """Steps per second the job made between two wall times (rank 0's step lines)."""
+    steps = [(float(r["t"]), int(r["step"])) for r in records if r.get("event") == "step" and r.get("rank") == 0
+             and since <= float(r["t"]) <= until]
+    if len(steps) < 2:
+        return 0.0
+    (t0, s0), (t1, s1) = steps[0], steps[-1]
+    return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def slow_node(ctx: Context) -> Outcome:
+    """One node's training processes held to a quarter of a CPU (as a throttled GPU slows them): its
+    compute per step quadruples while its agent and heartbeats stay healthy. The straggler watch
+    scores it against the other node, drains it (the planned hand-over: one agreed stop step, saved),
+    the spare takes its rank with no step lost and the restart budget untouched, and the job's step
+    rate comes back to within 10 % of what it was (once the new world's standby workers, which this
+    two-core box shares with the training, are ready)."""
+    time.sleep(SETTLE_S)  # a measurement window of the healthy rate (after the start-up), not a wait
+    now = time.time()
+    rate_before = step_rate(ctx.records(), now - RATE_S, now)
+    b = ctx.baseline()
+    victim = b.world[-1]
+    throttle = CpuThrottle(ctx.worker_pids(victim), 0.25)
+
+    def slow_down() -> str:
+        return f"{victim}'s training processes held to 25% of a CPU ({throttle.start()})"
+
+    try:
+        result = preempt_drill.run(ctx.client, victim, None, job_log=ctx.out, timeout_s=90.0, start=slow_down,
+                                   mode="straggler")
+        resumed = time.time()
+
+        def back() -> float | None:
+            now = time.time()
+            rate = step_rate(ctx.records(), max(resumed, now - RATE_S), now)
+            return rate if now - resumed >= RATE_S and rate >= 0.9 * rate_before else None
+
+        rate_after = within(back, BACK_S, "the step rate back within 10 % of before", interval_s=0.5)
+        back_s = time.time() - resumed
+        if rate_after is None:
+            rate_after = step_rate(ctx.records(), time.time() - RATE_S, time.time())
+    finally:
+        throttle.stop()
+    detected = [e for e in ctx.events() if int(e["seq"]) > b.last_seq and e["kind"] == "straggler_detected"]
+    checks = [
+        Check("straggler_detected", [e["node_id"] for e in detected] == [victim],
+              f"straggler events for {[e['node_id'] for e in detected]} ({throttle.how})"),
+        Check("replaced_by_the_spare", result.replacement in b.spares,
+              f"{result.replacement or 'nobody'} took {victim}'s rank: {result.verdict}"),
+        Check("no_step_lost", result.lost_steps == 0 and result.restarts_after == result.restarts_before,
+              f"lost {result.lost_steps} step(s) (last before {result.last_step_before}, resumed "
+              f"{result.resumed_step}); restarts {result.restarts_before} -> {result.restarts_after}"),
+        Check("step_rate_back", rate_before > 0 and rate_after >= 0.9 * rate_before,
+              f"{rate_after:.1f} steps/s after against {rate_before:.1f} before ({back_s:.0f}s after the "
+              "new world's first step)"),
+    ]
+    return Outcome(b, frozenset({victim}), f"{victim} throttled ({throttle.how}); {result.verdict}", checks)
+
+
+def uniform_slowdown(ctx: Context) -> Outcome:
+    """Every node of the world held to the same share of a CPU: the whole job slows down together,
+    every score stays near 1, nobody is judged a straggler and nobody is replaced."""
+    b = ctx.baseline()
+    throttles = [CpuThrottle(ctx.worker_pids(node), 0.35) for node in b.world]
+    with contextlib.ExitStack() as stack:
+        for t in throttles:
+            t.start()
+            stack.callback(t.stop)
+        started = ctx.step()
+        # Long enough for the watch to judge (warm-up 5 s, 4 s of evidence, k=3 judgements 2 s apart)
+        # several times over: a measurement window, not a wait for a condition.
+        time.sleep(20.0)
+        scores = {n.node_id: n.straggler_score for n in ctx.client.nodes().nodes if n.node_id in b.world}
+        progressed = ctx.step() - started
+    events = [e for e in ctx.events() if int(e["seq"]) > b.last_seq]
+    flagged = sorted({str(e["node_id"]) for e in events if e["kind"] == "straggler_detected"})
+    drained = [e["node_id"] for e in events if e["kind"] == "drain_requested"]
+    checks = [
+        Check("nobody_a_straggler", not flagged and not drained,
+              f"straggler events {flagged}, drains {drained}; scores {scores}"),
+        Check("world_unchanged", ctx.world() == list(b.world), f"world {ctx.world()} (before {list(b.world)})"),
+        Check("training_went_on", progressed > 0, f"{progressed} steps while every node was throttled"),
+    ]
+    how = throttles[0].how if throttles else "nothing"
+    return Outcome(b, frozenset(), f"every node's workers held to 35% of a CPU ({how}); scores {scores}", checks)
+
+
+SCENARIOS = [
+    Scenario("slow-node", "a node throttled to a quarter of a CPU: found as a straggler, handed over to the spare "
+             "with no step lost, the step rate back", slow_node, SLOW),
+    Scenario("uniform-slowdown", "every node throttled alike: no straggler, nobody replaced", uniform_slowdown, SLOW),
+]
