@@ -29,26 +29,25 @@ class StepTimer:
     def __init__(self, rank: int, clock: Callable[[], float] = time.perf_counter) -> None:
         self.rank = rank
         self.clock = clock
-        self._compute = 0.0
-        self._data = 0.0
+        self._phases = {"compute": 0.0, "data": 0.0}
         self._save = False
         self._last: float | None = None
 
     @contextlib.contextmanager
-    def compute(self) -> Iterator[None]:
+    def _phase(self, name: str) -> Iterator[None]:
         started = self.clock()
         try:
             yield
         finally:
-            self._compute += self.clock() - started
+            self._phases[name] += self.clock() - started
 
-    @contextlib.contextmanager
-    def data(self) -> Iterator[None]:
-        started = self.clock()
-        try:
-            yield
-        finally:
-            self._data += self.clock() - started
+    def compute(self) -> contextlib.AbstractContextManager[None]:
+        """Time the rank spends computing (not waiting for other ranks)."""
+        return self._phase("compute")
+
+    def data(self) -> contextlib.AbstractContextManager[None]:
+        """Time the rank waits for its next batch."""
+        return self._phase("data")
 
     def saved(self) -> None:
         """This step also took a checkpoint: its times are not evidence of a slow node."""
@@ -60,13 +59,12 @@ class StepTimer:
         now = self.clock()
         wall = now - self._last if self._last is not None else 0.0
         self._last = now
-        if self._compute <= 0 and self._data <= 0:
-            self._save = False
+        compute, data = self._phases["compute"], self._phases["data"]
+        self._phases = {"compute": 0.0, "data": 0.0}
+        save, self._save = self._save, False
+        if compute <= 0 and data <= 0:
             return None
-        out = cluster_pb2.StepTiming(compute_s=self._compute, wall_s=wall, data_s=self._data, save=self._save,
-                                     rank=self.rank)
-        self._compute, self._data, self._save = 0.0, 0.0, False
-        return out
+        return cluster_pb2.StepTiming(compute_s=compute, wall_s=wall, data_s=data, save=save, rank=self.rank)
 
 
 __all__ = ["StepTimer"]
