@@ -42,6 +42,7 @@ from .replicator import ReplicationMetrics, Replicator
 from .restore_prefetch import Prefetcher
 from .rtt import RttMetrics, RttProber
 from .settings import AgentSettings
+from .step_anomalies import RankHistory, judge_step, remember
 from .supervisor import Supervisor
 from .tiering import Tiering
 from .torchrun_supervisor import TrainingSupervisor, TrainSpec
@@ -85,6 +86,7 @@ class AgentDaemon:
         self.metrics.training_step.set(-1)
         self._progress_lock = threading.Lock()
         self._timings: dict[int, cluster_pb2.StepTiming] = {}  # each local rank's latest step timing
+        self._histories: dict[int, RankHistory] = {}  # each local rank's recent losses and gradient norms
         self._stop = threading.Event()
         # Each rank's durable hop (CommitShard from memory: a copy of its shard) holds a worker while it
         # runs: room for a node's ranks doing it at once, and the other calls beside them.
@@ -221,7 +223,7 @@ class AgentDaemon:
 
     # ---- state shared with the service ------------------------------------------------------
 
-    def report_progress(self, progress: cluster_pb2.Progress) -> None:
+    def report_progress(self, progress: cluster_pb2.Progress, rank: int = 0) -> None:
         with self._progress_lock:
             if progress.reported_unix_s == 0:
                 progress.reported_unix_s = time.time()
@@ -229,6 +231,7 @@ class AgentDaemon:
             if not progress.HasField("restored") and self._progress.HasField("restored"):
                 progress.restored.CopyFrom(self._progress.restored)  # kept until a newer restore is reported
             carry_parked(self._progress, progress)
+            self._judge_anomaly(progress, rank)
             if progress.step < previous:
                 self._timings.clear()  # a new world restarted from an older step: other ranks, maybe
             if progress.HasField("timing"):
@@ -246,6 +249,27 @@ class AgentDaemon:
             self.metrics.observe_flops(progress.step, progress.reported_unix_s, progress.flops)
         if self.training is not None:
             self.training.on_progress(progress.step)
+
+    def _judge_anomaly(self, progress: cluster_pb2.Progress, rank: int) -> None:
+        """Judges this report against the rank's trailing window (under the progress lock); the
+        newest anomaly rides in the node's progress until a newer one."""
+        if self._progress.HasField("anomaly") and not progress.HasField("anomaly"):
+            progress.anomaly.CopyFrom(self._progress.anomaly)
+        loss = progress.loss if progress.HasField("loss") else None
+        grad = progress.grad_norm if progress.HasField("grad_norm") else None
+        if (loss is None and grad is None) or (len(self._histories) >= 256 and rank not in self._histories):
+            return
+        history = self._histories.setdefault(rank, RankHistory())
+        config = self.settings.anomalies
+        found = judge_step(history, progress.step, rank, loss, grad, config)
+        remember(history, progress.step, loss, grad, config)
+        if found is None:
+            return
+        self.metrics.step_anomalies.labels(found.kind).inc()
+        log.warning("step anomaly: %s", found.reason)
+        progress.anomaly.CopyFrom(cluster_pb2.StepAnomaly(step=found.step, rank=found.rank, kind=found.kind,
+                                                          value=found.value, baseline=found.baseline,
+                                                          reason=found.reason[:300]))
 
     def report_restored(self, restored: cluster_pb2.Restored) -> None:
         """What the training restored when its world started: carried in the progress (heartbeats,

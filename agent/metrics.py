@@ -66,6 +66,9 @@ class AgentMetrics:
                                 f"largest of the newest {SAVE_SIZE_WINDOW} saves; 0: none yet)", registry=r)
         self.training_steps = Counter("ftd_agent_training_steps_total", "Training steps completed", registry=r)
         self.training_loss = Gauge("ftd_agent_training_loss", "Latest loss reported by the workers", registry=r)
+        self.step_anomalies = Counter("ftd_agent_step_anomalies_total",
+                                      "Training steps judged anomalous (agent/step_anomalies.py), by kind: nan, "
+                                      "loss_spike, grad_norm_jump", ["kind"], registry=r)
         self.grad_norm = Gauge("ftd_agent_training_grad_norm", "Latest gradient norm reported by the workers",
                                registry=r)
         self.training_step = Gauge("ftd_agent_training_step", "Latest training step reported by the workers",

@@ -94,7 +94,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             raise errors.BadRequest("progress: is required")
         if request.progress.step < 0:
             raise errors.BadRequest(f"progress.step: must be >= 0, got {request.progress.step}")
-        self.daemon.report_progress(request.progress)
+        self.daemon.report_progress(request.progress, request.rank)
         return self._progress_answer()
 
     def _progress_answer(self) -> agent_pb2.ReportProgressResponse:

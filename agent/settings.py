@@ -15,6 +15,7 @@ from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec
 
 from .health_rules import HealthThresholds
 from .preemption_sources import PreemptionConfig
+from .step_anomalies import AnomalyConfig
 
 ENV_PREFIX = "FTD_AGENT_"
 
@@ -97,6 +98,13 @@ class AgentSettings:
     preempt_poll_interval_s: float = setting(2.0, "period of polling the notice sources (AWS advises 5 s)", "s")
     peak_flops_per_gpu: float = setting(0.0, "peak FLOP/s of one GPU in the training's precision, for MFU "
                                              "(0: MFU not computed)", "FLOP/s")
+    anomaly_loss_spike_factor: float = setting(
+        10.0, "a step's loss above this many times the rank's trailing median is an anomaly", "ratio")
+    anomaly_grad_norm_jump: float = setting(
+        0.30, "a gradient norm this fraction above the rank's trailing median is an anomaly (the seed's 30 %)",
+        "ratio")
+    anomaly_window_steps: int = setting(50, "the trailing steps per rank an anomaly is judged against", "steps")
+    anomaly_min_history: int = setting(10, "steps a rank needs before its steps are judged", "steps")
     mfu_floor: float = setting(0.0, "MFU below which FtdMfuLow fires (0: no alert)", "ratio")
     pki_dir: Path | None = setting(
         None, "mutual TLS and authorization: the PKI directory holding ca.crt, nodes/<node_id>.crt|.key (the agent) "
@@ -159,6 +167,10 @@ class AgentSettings:
         require(self.preempt_poll_interval_s > 0, "preempt_poll_interval_s",
                 f"must be > 0 (got {self.preempt_poll_interval_s})")
         require(self.peak_flops_per_gpu >= 0, "peak_flops_per_gpu", f"must be >= 0 (got {self.peak_flops_per_gpu})")
+        try:
+            self.anomalies  # noqa: B018 (validated by constructing it)
+        except ValueError as exc:
+            require(False, "anomaly_*", str(exc))
         require(0 <= self.mfu_floor < 1, "mfu_floor", f"must be in [0, 1) (got {self.mfu_floor})")
         try:
             _ = self.preemption
@@ -170,6 +182,11 @@ class AgentSettings:
             require(False, "health_min_free", str(exc))
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")
+
+    @property
+    def anomalies(self) -> AnomalyConfig:
+        return AnomalyConfig(self.anomaly_loss_spike_factor, self.anomaly_grad_norm_jump, self.anomaly_window_steps,
+                             self.anomaly_min_history)
 
     @property
     def effective_node_id(self) -> str:

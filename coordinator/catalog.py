@@ -160,7 +160,7 @@ class CatalogKeeper:
                 raise errors.TooMany(f"the catalog holds checkpoints of {validation.MAX_CATALOG_JOBS} jobs already; "
                                      f"job {manifest.job} is refused until old ones are deleted")
             restored = request.restored_step if request.HasField("restored_step") else None
-            round_ = request.round if request.HasField("round") else None
+            round_ = request.job_round if request.HasField("job_round") else None
             self._check_round(manifest, round_)
             abandoned = rules.superseded_by(records.values(), manifest, restored, round_)
             if abandoned:  # a new timeline (restarted from an older step in a newer epoch) takes over

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from ftd import systemd
 from ftd.logs import set_identity
 from ftd.throttle import LogThrottle
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import errors, rate_limits
+from .anomaly_log import AnomalyLog
 from .catalog import CatalogKeeper
 from .committer import Committer
 from .drains import DrainKeeper
@@ -79,7 +80,8 @@ class Controller:
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.stragglers = StragglerWatch(self.committer, settings.straggler, self.metrics, self.drains.drain, clock,
                                          wall)
-        self.membership.on_progress = self.stragglers.observe
+        self.anomalies = AnomalyLog(self.committer, self.metrics.step_anomalies)
+        self.membership.on_progress = self._on_progress
         self.membership.also_unfit = self.stragglers.unfit
         self.gauges = Gauges(self.committer, self.membership, self.catalog, self.metrics, self.security, clock)
         self.alarms = AlarmWatch(store, self.calls, self.committer, self.security)
@@ -230,6 +232,7 @@ class Controller:
         await self.membership.tick()
         if self.committer.view is not None:
             await self.stragglers.tick(self.membership.healthy_spares())
+            await self.anomalies.flush()
         if self.membership.changed or now - self.gauges.published_at >= 1.0:
             self.gauges.publish()
 
@@ -260,6 +263,10 @@ class Controller:
                                  if j.straggler)
         status.straggler_decision = self.stragglers.decision[:300]
         return status
+
+    def _on_progress(self, node_id: str, progress: cluster_pb2.Progress) -> None:
+        self.stragglers.observe(node_id, progress)
+        self.anomalies.observe(node_id, progress)
 
     def _round_started(self, restore_step: int) -> None:
         self.membership.round_started(restore_step)

@@ -69,5 +69,8 @@ class CoordinatorMetrics:
         self.straggler_replacements = Counter("ftd_coordinator_straggler_replacements_total",
                                               "Stragglers handed over to a spare (straggler_action=replace)",
                                               registry=r)
+        self.step_anomalies = Counter("ftd_coordinator_step_anomalies_total",
+                                      "Step anomalies the agents reported (NaN/Inf, loss spike, gradient-norm jump), "
+                                      "by kind", ["kind"], registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

@@ -267,7 +267,7 @@ def test_a_worker_restart_in_the_same_epoch_abandons_the_failed_rounds_partial_s
 
         def saved(step: int, rank: int, crc: str, round_: int) -> checkpoint_pb2.CommitShardRequest:
             request = shard("j", step, rank, 2, crc=crc)
-            request.round, request.restored_step = round_, 20 if round_ == 2 else -1
+            request.job_round, request.restored_step = round_, 20 if round_ == 2 else -1
             return request
 
         for rank in (0, 1):

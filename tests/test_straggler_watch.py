@@ -1,6 +1,7 @@
-"""The leader's straggler watch on the in-memory store, driven by heartbeats that carry step timings: a
-node computing 4x slower is scored, an event says so, the replace policy drains it (the planned
-hand-over), it is shown in ListNodes, and it is not promoted until a later health check passes."""
+"""The leader's training-health watches on the in-memory store. The straggler watch, driven by
+heartbeats that carry step timings: a node computing 4x slower is scored, an event says so, the
+replace policy drains it (the planned hand-over), it is shown in ListNodes, and it is not promoted
+until a later health check passes. The anomaly log: one event per anomaly an agent reports."""
 
 from __future__ import annotations
 
@@ -84,5 +85,32 @@ def test_a_slow_node_is_scored_reported_and_handed_over_once() -> None:
         clock.advance(3.0)
         await ctl.stragglers.tick(spares=1)
         assert "next allowed in" in ctl.stragglers.decision and not view.drains
+
+    run(scenario)
+
+
+def test_a_step_anomaly_is_one_event_and_one_count_however_often_it_is_repeated() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = Controller(store, CoordinatorSettings(replica_id="c0", failover_grace_s=5.0), "127.0.0.1:7400",
+                         clock=clock, wall=lambda: WALL + clock.now)
+        await cluster(ctl, clock)
+
+        def report(step: int, kind: str) -> None:
+            req = coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="i1", seq=1)
+            req.progress.CopyFrom(cluster_pb2.Progress(step=step + 3, anomaly=cluster_pb2.StepAnomaly(
+                step=step, rank=1, kind=kind, value=float("nan"), reason=f"rank 1 step {step}: loss is nan")))
+            ctl.membership.on_heartbeat(ctl.membership.streams["a"], req)
+
+        for _ in range(5):  # the agent repeats its newest anomaly with every heartbeat
+            report(40, "nan")
+        report(90, "loss_spike")
+        await ctl.tick()
+        events = [e for e in store.events.values() if e.kind == "step_anomaly"]
+        assert [e.message for e in events] == ["a: rank 1 step 40: loss is nan", "a: rank 1 step 90: loss is nan"]
+        count = ctl.metrics.registry.get_sample_value
+        assert count("ftd_coordinator_step_anomalies_total", {"kind": "nan"}) == 1
+        assert count("ftd_coordinator_step_anomalies_total", {"kind": "loss_spike"}) == 1
 
     run(scenario)

@@ -78,7 +78,7 @@ class AgentLink:
         if self.restored_step is not None:
             request.restored_step = self.restored_step
         if self.round is not None:
-            request.round = self.round
+            request.job_round = self.round
         return self._call("CommitShard", request, timeout_s=timeout_s)  # type: ignore[no-any-return]
 
     def fetch_shard(self, request: agent_pb2.FetchShardRequest,

@@ -259,7 +259,7 @@ class CommitShardRequest(_message.Message):
     CADENCE_FIELD_NUMBER: _builtins.int
     FROM_TIER_FIELD_NUMBER: _builtins.int
     RESTORED_STEP_FIELD_NUMBER: _builtins.int
-    ROUND_FIELD_NUMBER: _builtins.int
+    JOB_ROUND_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     location: _builtins.str
     cadence: _builtins.str
@@ -276,7 +276,7 @@ class CommitShardRequest(_message.Message):
     not known (an older training side). A shard of a newer epoch abandons the older epochs' steps
     newer than this one only (the abandoned timeline), never the step the world restored or older.
     """
-    round: _builtins.int
+    job_round: _builtins.int
     """The job round the saving process runs in (FTD_ROUND: ftd's launcher and rendezvous handler set
     it); absent: not known. A worker restart forms a new round in the same epoch and a new timeline
     with it: a shard of a newer round abandons the same epoch's steps first committed by older
@@ -294,20 +294,20 @@ class CommitShardRequest(_message.Message):
         cadence: _builtins.str = ...,
         from_tier: _builtins.str = ...,
         restored_step: _builtins.int | None = ...,
-        round: _builtins.int | None = ...,
+        job_round: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "_round", b"_round", "manifest", b"manifest", "restored_step", b"restored_step", "round", b"round"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_job_round", b"_job_round", "_restored_step", b"_restored_step", "job_round", b"job_round", "manifest", b"manifest", "restored_step", b"restored_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "_round", b"_round", "cadence", b"cadence", "from_tier", b"from_tier", "location", b"location", "manifest", b"manifest", "restored_step", b"restored_step", "round", b"round", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_round", b"_job_round", "_restored_step", b"_restored_step", "cadence", b"cadence", "from_tier", b"from_tier", "job_round", b"job_round", "location", b"location", "manifest", b"manifest", "restored_step", b"restored_step", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__job_round: _TypeAlias = _typing.Literal["job_round"]  # noqa: Y015
+    _WhichOneofArgType__job_round: _TypeAlias = _typing.Literal["_job_round", b"_job_round"]  # noqa: Y015
     _WhichOneofReturnType__restored_step: _TypeAlias = _typing.Literal["restored_step"]  # noqa: Y015
     _WhichOneofArgType__restored_step: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step"]  # noqa: Y015
-    _WhichOneofReturnType__round: _TypeAlias = _typing.Literal["round"]  # noqa: Y015
-    _WhichOneofArgType__round: _TypeAlias = _typing.Literal["_round", b"_round"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__job_round) -> _WhichOneofReturnType__job_round | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restored_step) -> _WhichOneofReturnType__restored_step | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__round) -> _WhichOneofReturnType__round | None: ...
 
 Global___CommitShardRequest: _TypeAlias = CommitShardRequest  # noqa: Y015
 

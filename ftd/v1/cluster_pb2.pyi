@@ -259,6 +259,7 @@ class Progress(_message.Message):
     RESTORED_FIELD_NUMBER: _builtins.int
     PARKED_STEP_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
+    ANOMALY_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """-1 when no step was reported yet"""
     reported_unix_s: _builtins.float
@@ -290,6 +291,12 @@ class Progress(_message.Message):
         timing of its slowest rank, the leader's straggler detector scores nodes by it.
         """
 
+    @_builtins.property
+    def anomaly(self) -> Global___StepAnomaly:
+        """The newest step anomaly the agent found in its ranks' reports (agent/step_anomalies.py: NaN/Inf,
+        a loss spike, a gradient-norm jump), kept until a newer one.
+        """
+
     def __init__(
         self,
         *,
@@ -301,11 +308,14 @@ class Progress(_message.Message):
         restored: Global___Restored | None = ...,
         parked_step: _builtins.int | None = ...,
         timing: Global___StepTiming | None = ...,
+        anomaly: Global___StepAnomaly | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "restored", b"restored", "timing", b"timing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_anomaly", b"_anomaly", "_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "anomaly", b"anomaly", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "restored", b"restored", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step", "timing", b"timing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_anomaly", b"_anomaly", "_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "anomaly", b"anomaly", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step", "timing", b"timing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__anomaly: _TypeAlias = _typing.Literal["anomaly"]  # noqa: Y015
+    _WhichOneofArgType__anomaly: _TypeAlias = _typing.Literal["_anomaly", b"_anomaly"]  # noqa: Y015
     _WhichOneofReturnType__flops: _TypeAlias = _typing.Literal["flops"]  # noqa: Y015
     _WhichOneofArgType__flops: _TypeAlias = _typing.Literal["_flops", b"_flops"]  # noqa: Y015
     _WhichOneofReturnType__grad_norm: _TypeAlias = _typing.Literal["grad_norm"]  # noqa: Y015
@@ -318,6 +328,8 @@ class Progress(_message.Message):
     _WhichOneofArgType__restored: _TypeAlias = _typing.Literal["_restored", b"_restored"]  # noqa: Y015
     _WhichOneofReturnType__timing: _TypeAlias = _typing.Literal["timing"]  # noqa: Y015
     _WhichOneofArgType__timing: _TypeAlias = _typing.Literal["_timing", b"_timing"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__anomaly) -> _WhichOneofReturnType__anomaly | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__flops) -> _WhichOneofReturnType__flops | None: ...
     @_typing.overload
@@ -332,6 +344,42 @@ class Progress(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timing) -> _WhichOneofReturnType__timing | None: ...
 
 Global___Progress: _TypeAlias = Progress  # noqa: Y015
+
+@_typing.final
+class StepAnomaly(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    BASELINE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    rank: _builtins.int
+    kind: _builtins.str
+    """"nan", "loss_spike", "grad_norm_jump" """
+    value: _builtins.float
+    baseline: _builtins.float
+    """the trailing median it was compared with (NaN for NaN/Inf)"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        value: _builtins.float = ...,
+        baseline: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "kind", b"kind", "rank", b"rank", "reason", b"reason", "step", b"step", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepAnomaly: _TypeAlias = StepAnomaly  # noqa: Y015
 
 @_typing.final
 class StepTiming(_message.Message):

@@ -1,0 +1,101 @@
+"""Step anomalies as a pure decision over each rank's recent losses and gradient norms.
+
+A NaN, a loss spike or a gradient explosion poisons every checkpoint saved after it, and a silent
+data corruption looks like one. The agent sees every ``report_step(loss, grad_norm)`` of its ranks
+and judges each against that rank's trailing window (:func:`judge_step`):
+
+* **NaN/Inf** in the loss or the gradient norm: always an anomaly.
+* **Loss spike**: above ``loss_spike_factor`` times the trailing median (Megatron's rerun machine
+  calls a loss spiky above 10x the largest seen; a median is not moved by the spike's own history).
+* **Gradient-norm jump**: above ``1 + grad_norm_jump`` times the trailing median (the seed's alert
+  threshold, 30 %).
+
+Nothing is judged before ``min_history`` steps (the first steps of a run, or of a world restored
+from a checkpoint, move fast), and a step that goes backwards (a restore) starts the window afresh.
+The anomaly travels with the node's heartbeat progress to the coordinator (an event, a counter, the
+FtdStepAnomaly alert); acting on it (a rollback) is the job's policy, not this module's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+NAN, LOSS_SPIKE, GRAD_JUMP = "nan", "loss_spike", "grad_norm_jump"
+
+
+@dataclass(frozen=True)
+class AnomalyConfig:
+    loss_spike_factor: float = 10.0
+    grad_norm_jump: float = 0.30
+    window: int = 50  # trailing steps per rank
+    min_history: int = 10
+
+    def __post_init__(self) -> None:
+        if self.loss_spike_factor <= 1 or self.grad_norm_jump <= 0:
+            raise ValueError("anomaly loss_spike_factor must be > 1 and grad_norm_jump > 0")
+        if not 1 <= self.min_history <= self.window:
+            raise ValueError("anomaly min_history must be in [1, window]")
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    step: int
+    rank: int
+    kind: str  # NAN, LOSS_SPIKE or GRAD_JUMP
+    value: float
+    baseline: float  # the trailing median it was compared with (nan for NaN/Inf)
+    reason: str
+
+
+@dataclass
+class RankHistory:
+    losses: deque[float] = field(default_factory=deque)
+    grads: deque[float] = field(default_factory=deque)
+    last_step: int = -1
+
+
+def judge_step(history: RankHistory, step: int, rank: int, loss: float | None, grad_norm: float | None,
+               config: AnomalyConfig) -> Anomaly | None:
+    """Whether this step of this rank is anomalous, against ``history`` (the caller then records the
+    step with :func:`remember`). Pure: the same history and values give the same answer."""
+    for name, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if value is not None and not math.isfinite(value):
+            return Anomaly(step, rank, NAN, value, math.nan, f"rank {rank} step {step}: {name} is {value}")
+    if step <= history.last_step:
+        return None  # a restore: the window starts again (remember() clears it)
+    if loss is not None and len(history.losses) >= config.min_history:
+        median = statistics.median(history.losses)
+        if median > 0 and loss > config.loss_spike_factor * median:
+            return Anomaly(step, rank, LOSS_SPIKE, loss, median,
+                           f"rank {rank} step {step}: loss {loss:.4g} is {loss / median:.1f}x the median "
+                           f"{median:.4g} of its last {len(history.losses)} steps (limit "
+                           f"{config.loss_spike_factor:g}x)")
+    if grad_norm is not None and len(history.grads) >= config.min_history:
+        median = statistics.median(history.grads)
+        if median > 0 and grad_norm > (1 + config.grad_norm_jump) * median:
+            return Anomaly(step, rank, GRAD_JUMP, grad_norm, median,
+                           f"rank {rank} step {step}: gradient norm {grad_norm:.4g} is "
+                           f"{grad_norm / median - 1:+.0%} over the median {median:.4g} of its last "
+                           f"{len(history.grads)} steps (limit +{config.grad_norm_jump:.0%})")
+    return None
+
+
+def remember(history: RankHistory, step: int, loss: float | None, grad_norm: float | None,
+             config: AnomalyConfig) -> None:
+    """Adds a step's values to the window (finite ones only); a step that went backwards (the world
+    restored a checkpoint) empties it first."""
+    if step <= history.last_step:
+        history.losses.clear()
+        history.grads.clear()
+    history.last_step = step
+    for values, value in ((history.losses, loss), (history.grads, grad_norm)):
+        if value is not None and math.isfinite(value):
+            values.append(value)
+            while len(values) > config.window:
+                values.popleft()
+
+
+__all__ = ["GRAD_JUMP", "LOSS_SPIKE", "NAN", "Anomaly", "AnomalyConfig", "RankHistory", "judge_step", "remember"]

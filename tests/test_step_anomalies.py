@@ -1,0 +1,82 @@
+"""The agent's step-anomaly detector (agent/step_anomalies.py) on recorded loss and gradient-norm
+series: NaN/Inf, a loss spike, a gradient-norm jump, and the false alarms it must not raise (the
+noisy start, a restore that goes back in steps, ordinary noise)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ftd.agent.step_anomalies import (
+    GRAD_JUMP,
+    LOSS_SPIKE,
+    NAN,
+    AnomalyConfig,
+    RankHistory,
+    judge_step,
+    remember,
+)
+
+CONFIG = AnomalyConfig(loss_spike_factor=10.0, grad_norm_jump=0.3, window=20, min_history=5)
+
+
+def replay(series: list[tuple[int, float | None, float | None]]) -> list[tuple[int, str]]:
+    history, found = RankHistory(), []
+    for step, loss, grad in series:
+        anomaly = judge_step(history, step, 0, loss, grad, CONFIG)
+        if anomaly is not None:
+            found.append((step, anomaly.kind))
+        remember(history, step, loss, grad, CONFIG)
+    return found
+
+
+def noisy(n: int, start: int = 0) -> list[tuple[int, float | None, float | None]]:
+    """A healthy run: loss falling with noise, gradient norm within +-20 %."""
+    return [(s, 2.0 * math.exp(-s / 200) * (1 + 0.1 * math.sin(s)), 1.0 + 0.2 * math.sin(1.7 * s))
+            for s in range(start, start + n)]
+
+
+def test_a_healthy_noisy_run_raises_nothing() -> None:
+    assert replay(noisy(300)) == []
+
+
+def test_nan_and_inf_are_anomalies_at_once_even_without_history() -> None:
+    assert replay([(0, math.nan, 1.0)]) == [(0, NAN)]
+    assert replay([*noisy(3), (3, 1.0, math.inf)]) == [(3, NAN)]
+    history = RankHistory()
+    got = judge_step(history, 7, 2, float("nan"), None, CONFIG)
+    assert got is not None and got.rank == 2 and "rank 2 step 7: loss is nan" in got.reason
+
+
+def test_a_loss_spike_above_ten_times_the_median() -> None:
+    series = noisy(30)
+    series.append((30, 9.0 * series[-1][1], 1.0))  # 9x: not yet
+    series.append((31, 12.0 * series[-2][1], 1.0))
+    found = replay(series)
+    assert found == [(31, LOSS_SPIKE)]
+    history = RankHistory()
+    for step, loss, grad in noisy(30):
+        remember(history, step, loss, grad, CONFIG)
+    spike = judge_step(history, 30, 0, 100.0, None, CONFIG)
+    assert spike is not None and "limit 10x" in spike.reason and spike.baseline > 0
+
+
+def test_a_gradient_norm_jump_above_thirty_percent() -> None:
+    series = [(s, 1.0, 1.0) for s in range(20)]
+    assert replay([*series, (20, 1.0, 1.29)]) == []
+    assert replay([*series, (20, 1.0, 1.31)]) == [(20, GRAD_JUMP)]
+
+
+def test_the_first_steps_and_a_restore_start_the_window_afresh() -> None:
+    assert replay([(0, 10.0, 5.0), (1, 1.0, 1.0), (2, 1.0, 1.0), (3, 20.0, 3.0)]) == [], "too little history"
+    # A restore goes back to step 10 with a higher loss: not a spike, the window starts again.
+    series = [(s, 0.1, 1.0) for s in range(40)] + [(s, 2.0, 2.0) for s in range(10, 20)]
+    assert replay(series) == []
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="loss_spike_factor"):
+        AnomalyConfig(loss_spike_factor=1.0)
+    with pytest.raises(ValueError, match="min_history"):
+        AnomalyConfig(window=5, min_history=6)
