@@ -48,6 +48,7 @@ EXPORTED_METRICS = {
     "ftd_coordinator_recovery_open_seconds",
     "ftd_coordinator_etcd_alarm",
     "ftd_coordinator_straggler_score",
+    "ftd_coordinator_step_anomalies_total",
     # agent (one per node)
     "ftd_agent_connected",
     "ftd_agent_gpu_utilization_ratio",
@@ -100,6 +101,7 @@ EXPECTED_ALERTS = {
     "FtdTierSpaceLow",
     "FtdMfuLow",
     "FtdStraggler",
+    "FtdStepAnomaly",
     "FtdEtcdNoSpace",
     "FtdEtcdAlarm",
     "FtdNetworkLatencyHigh",
