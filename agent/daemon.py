@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shlex
 import threading
@@ -42,7 +43,7 @@ from .replicator import ReplicationMetrics, Replicator
 from .restore_prefetch import Prefetcher
 from .rtt import RttMetrics, RttProber
 from .settings import AgentSettings
-from .step_anomalies import RankHistory, judge_step, remember
+from .step_anomalies import NodeJudge
 from .supervisor import Supervisor
 from .tiering import Tiering
 from .torchrun_supervisor import TrainingSupervisor, TrainSpec
@@ -86,7 +87,7 @@ class AgentDaemon:
         self.metrics.training_step.set(-1)
         self._progress_lock = threading.Lock()
         self._timings: dict[int, cluster_pb2.StepTiming] = {}  # each local rank's latest step timing
-        self._histories: dict[int, RankHistory] = {}  # each local rank's recent losses and gradient norms
+        self._anomalies = NodeJudge(settings.anomalies)  # each local rank's recent losses and gradient norms
         self._stop = threading.Event()
         # Each rank's durable hop (CommitShard from memory: a copy of its shard) holds a worker while it
         # runs: room for a node's ranks doing it at once, and the other calls beside them.
@@ -234,6 +235,10 @@ class AgentDaemon:
             self._judge_anomaly(progress, rank)
             if progress.step < previous:
                 self._timings.clear()  # a new world restarted from an older step: other ranks, maybe
+            t = progress.timing
+            if progress.HasField("timing") and not all(math.isfinite(v) and 0 <= v < 1e6
+                                                       for v in (t.compute_s, t.wall_s, t.data_s)):
+                progress.ClearField("timing")  # the coordinator refuses a heartbeat with nonsense times
             if progress.HasField("timing"):
                 self._timings[progress.timing.rank] = progress.timing
                 progress.timing.CopyFrom(slowest(self._timings))
@@ -251,25 +256,10 @@ class AgentDaemon:
             self.training.on_progress(progress.step)
 
     def _judge_anomaly(self, progress: cluster_pb2.Progress, rank: int) -> None:
-        """Judges this report against the rank's trailing window (under the progress lock); the
-        newest anomaly rides in the node's progress until a newer one."""
-        if self._progress.HasField("anomaly") and not progress.HasField("anomaly"):
-            progress.anomaly.CopyFrom(self._progress.anomaly)
-        loss = progress.loss if progress.HasField("loss") else None
-        grad = progress.grad_norm if progress.HasField("grad_norm") else None
-        if (loss is None and grad is None) or (len(self._histories) >= 256 and rank not in self._histories):
-            return
-        history = self._histories.setdefault(rank, RankHistory())
-        config = self.settings.anomalies
-        found = judge_step(history, progress.step, rank, loss, grad, config)
-        remember(history, progress.step, loss, grad, config)
-        if found is None:
-            return
-        self.metrics.step_anomalies.labels(found.kind).inc()
-        log.warning("step anomaly: %s", found.reason)
-        progress.anomaly.CopyFrom(cluster_pb2.StepAnomaly(step=found.step, rank=found.rank, kind=found.kind,
-                                                          value=found.value, baseline=found.baseline,
-                                                          reason=found.reason[:300]))
+        found = self._anomalies.judge(self._progress, progress, rank)  # under the progress lock
+        if found is not None:
+            self.metrics.step_anomalies.labels(found.kind).inc()
+            log.warning("step anomaly: %s", found.reason)
 
     def report_restored(self, restored: cluster_pb2.Restored) -> None:
         """What the training restored when its world started: carried in the progress (heartbeats,

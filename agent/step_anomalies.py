@@ -23,6 +23,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from ftd.v1 import cluster_pb2
+
 NAN, LOSS_SPIKE, GRAD_JUMP = "nan", "loss_spike", "grad_norm_jump"
 
 
@@ -98,4 +100,36 @@ def remember(history: RankHistory, step: int, loss: float | None, grad_norm: flo
                 values.popleft()
 
 
-__all__ = ["GRAD_JUMP", "LOSS_SPIKE", "NAN", "Anomaly", "AnomalyConfig", "RankHistory", "judge_step", "remember"]
+class NodeJudge:
+    """The windows of one node's ranks (at most ``max_ranks``) and what a report does to the node's
+    progress: the newest anomaly rides in it until a newer one, and a NaN or Inf figure is left out
+    (the anomaly says it; the coordinator takes finite figures only)."""
+
+    def __init__(self, config: AnomalyConfig, max_ranks: int = 256) -> None:
+        self.config = config
+        self.max_ranks = max_ranks
+        self.histories: dict[int, RankHistory] = {}
+
+    def judge(self, previous: cluster_pb2.Progress, progress: cluster_pb2.Progress, rank: int) -> Anomaly | None:
+        """Updates ``progress`` (a rank's new report, replacing ``previous``) in place."""
+        if previous.HasField("anomaly") and not progress.HasField("anomaly"):
+            progress.anomaly.CopyFrom(previous.anomaly)
+        loss = progress.loss if progress.HasField("loss") else None
+        grad = progress.grad_norm if progress.HasField("grad_norm") else None
+        for name, value in (("loss", loss), ("grad_norm", grad)):
+            if value is not None and not math.isfinite(value):
+                progress.ClearField(name)  # type: ignore[arg-type]
+        if (loss is None and grad is None) or (len(self.histories) >= self.max_ranks and rank not in self.histories):
+            return None
+        history = self.histories.setdefault(rank, RankHistory())
+        found = judge_step(history, progress.step, rank, loss, grad, self.config)
+        remember(history, progress.step, loss, grad, self.config)
+        if found is not None:
+            progress.anomaly.CopyFrom(cluster_pb2.StepAnomaly(step=found.step, rank=found.rank, kind=found.kind,
+                                                              value=found.value, baseline=found.baseline,
+                                                              reason=found.reason[:300]))
+        return found
+
+
+__all__ = ["GRAD_JUMP", "LOSS_SPIKE", "NAN", "Anomaly", "AnomalyConfig", "NodeJudge", "RankHistory", "judge_step",
+           "remember"]

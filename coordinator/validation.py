@@ -216,6 +216,13 @@ def validate_heartbeat_payload(req: coordinator_pb2.HeartbeatRequest) -> None:
         raise errors.InvalidArgument("progress", "times and figures must be finite numbers")
     if req.HasField("progress") and req.progress.HasField("restored"):
         check_text("progress.restored.source", req.progress.restored.source)
+    if req.HasField("progress") and req.progress.HasField("timing"):
+        t = req.progress.timing
+        if not all(math.isfinite(v) and 0 <= v < 1e6 for v in (t.compute_s, t.wall_s, t.data_s)):
+            raise errors.InvalidArgument("progress.timing", "step times must be finite seconds in [0, 1e6)")
+    if req.HasField("progress") and req.progress.HasField("anomaly"):
+        check_text("progress.anomaly.reason", req.progress.anomaly.reason)
+        check_text("progress.anomaly.kind", req.progress.anomaly.kind)
 
 
 def validate_commit_shard(req: checkpoint_pb2.CommitShardRequest) -> None:

@@ -92,6 +92,14 @@ def test_health_payloads_are_capped() -> None:
     nan = coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="i",
                                            progress=cluster_pb2.Progress(step=1, reported_unix_s=float("nan")))
     assert refused(validation.validate_heartbeat, nan).field == "progress"
+    # The straggler watch's and the anomaly log's inputs: finite, bounded step times and short texts.
+    for bad in (float("nan"), -1.0, 1e9):
+        timing = coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="i", progress=cluster_pb2.Progress(
+            step=1, timing=cluster_pb2.StepTiming(compute_s=bad)))
+        assert refused(validation.validate_heartbeat, timing).field == "progress.timing"
+    long_reason = coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="i", progress=cluster_pb2.Progress(
+        step=1, anomaly=cluster_pb2.StepAnomaly(kind="nan", reason="x" * 5000)))
+    assert refused(validation.validate_heartbeat, long_reason).field == "progress.anomaly.reason"
 
 
 def test_reasons_are_capped_and_made_one_printable_line() -> None:

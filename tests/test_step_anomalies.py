@@ -13,10 +13,12 @@ from ftd.agent.step_anomalies import (
     LOSS_SPIKE,
     NAN,
     AnomalyConfig,
+    NodeJudge,
     RankHistory,
     judge_step,
     remember,
 )
+from ftd.v1 import cluster_pb2
 
 CONFIG = AnomalyConfig(loss_spike_factor=10.0, grad_norm_jump=0.3, window=20, min_history=5)
 
@@ -80,3 +82,19 @@ def test_config_validation() -> None:
         AnomalyConfig(loss_spike_factor=1.0)
     with pytest.raises(ValueError, match="min_history"):
         AnomalyConfig(window=5, min_history=6)
+
+
+def test_the_node_keeps_its_newest_anomaly_and_never_sends_a_nan_figure() -> None:
+    judge = NodeJudge(CONFIG)
+    previous = cluster_pb2.Progress(step=-1)
+    for step in range(10):
+        report = cluster_pb2.Progress(step=step, loss=1.0, grad_norm=1.0)
+        assert judge.judge(previous, report, rank=0) is None
+        previous = report
+    bad = cluster_pb2.Progress(step=10, loss=float("nan"), grad_norm=1.0)
+    found = judge.judge(previous, bad, rank=1)
+    assert found is not None and found.kind == NAN and found.rank == 1
+    assert not bad.HasField("loss") and bad.grad_norm == 1.0, "the NaN left out: the coordinator refuses it"
+    assert bad.anomaly.step == 10 and bad.anomaly.kind == NAN
+    later = cluster_pb2.Progress(step=11, loss=1.0)
+    assert judge.judge(bad, later, rank=0) is None and later.anomaly.step == 10, "kept until a newer one"

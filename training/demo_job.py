@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=int, default=0,
                     help="extra compute per step: this many 256x256 matmuls (about 0.5 ms each on one core), timed "
                          "as the step's compute with the forward pass (what the straggler detector compares)")
+    ap.add_argument("--nan-at", type=int, default=-1,
+                    help="a fault for tests: the loss of rank --nan-rank becomes NaN at this step (it poisons the "
+                         "model from there on, as a real NaN does)")
+    ap.add_argument("--nan-rank", type=int, default=0)
     ap.add_argument("--finish-file", type=Path, default=None,
                     help="a finish line: once this file holds a step number, every rank stops after that step "
                          "(a test or chaos scenario ends the job when it has seen what it needs)")
@@ -247,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             x, y = batches.next()
         with timing.compute():
             loss = torch.nn.functional.mse_loss(ddp(x), y)
+            if step == args.nan_at and rank == args.nan_rank:
+                loss = loss * float("nan")
             for _ in range(args.work):
                 work @ work  # the compute a GPU kernel would do
         opt.zero_grad()
