@@ -163,6 +163,14 @@ class CatalogKeeper:
             round_ = request.job_round if request.HasField("job_round") else None
             self._check_round(manifest, round_)
             abandoned = rules.superseded_by(records.values(), manifest, restored, round_)
+            gone = {(r.job, r.step) for r in abandoned}
+            before = None if (manifest.job, manifest.step) in gone else records.get((manifest.job, manifest.step))
+            cadence = validation.clip(validation.one_line(request.cadence), 200)
+            try:  # judged against the state after the abandonment, before anything is deleted
+                record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall(),
+                                                  cadence, round_)
+            except rules.CatalogError as exc:
+                raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
             if abandoned:  # a new timeline (restarted from an older step in a newer epoch) takes over
                 since = ("started from scratch" if restored == -1 else f"restored step {restored}"
                          if restored is not None else "restarted from an older step")
@@ -173,14 +181,6 @@ class CatalogKeeper:
                 log.warning("job %s: step %d saved in %s (%s); removed steps %s of older epochs or rounds "
                             "(abandoned timeline)", manifest.job, manifest.step, where, since,
                             [r.step for r in abandoned][:20])
-                records = self._records()
-            before = records.get((manifest.job, manifest.step))
-            cadence = validation.clip(validation.one_line(request.cadence), 200)
-            try:
-                record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall(),
-                                                  cadence, round_)
-            except rules.CatalogError as exc:
-                raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
             if before is not None and record == before:
                 return checkpoint_pb2.CommitShardResponse(checkpoint=rules.to_info(record), message="already recorded")
             puts = rules.encode(record, [manifest.rank])
