@@ -231,7 +231,7 @@ class Controller:
             return
         await self.membership.tick()
         if self.committer.view is not None:
-            await self.stragglers.tick(self.membership.healthy_spares())
+            await self.stragglers.tick(self.membership.healthy_spares)
             await self.anomalies.flush()
         if self.membership.changed or now - self.gauges.published_at >= 1.0:
             self.gauges.publish()

@@ -77,8 +77,9 @@ class StragglerWatch:
             out[node_id] = f"slow ({why}): waits for a passing health check"
         return out
 
-    async def tick(self, spares: int) -> None:
-        """Judges the world when due; ``spares``: healthy spares that could take a rank now."""
+    async def tick(self, spares: Callable[[], int]) -> None:
+        """Judges the world when due; ``spares`` counts the healthy spares that could take a rank now
+        (asked only when there is a straggler: it looks at every node)."""
         now = self.clock()
         if now - self._judged_at < JUDGE_EVERY_S:
             return
@@ -103,7 +104,8 @@ class StragglerWatch:
         if events:
             with contextlib.suppress(errors.StateUnavailable, errors.StateRejected, errors.NotLeader):
                 await self.state.commit("straggler", events=events)
-        due, why = replacement_due(now, judged, self.config, spares, self.last_replaced_at, bool(view.drains))
+        count = spares() if any(j.straggler for j in judged) else 0
+        due, why = replacement_due(now, judged, self.config, count, self.last_replaced_at, bool(view.drains))
         self.decision = why if due is None else f"replacing {due.node_id}: {due.why}"
         if due is None:
             return

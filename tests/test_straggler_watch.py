@@ -81,9 +81,9 @@ def test_a_slow_node_is_scored_reported_and_handed_over_once() -> None:
         beat(ctl, "b", healthy_at=replaced_at + 1)
         assert "b" not in ctl.membership._unfit_spares(view) and "b" not in ctl.stragglers.slow
         # One replacement per min_replace_interval_s: a second straggler now is only reported.
-        await ctl.stragglers.tick(spares=1)
+        await ctl.stragglers.tick(spares=lambda: 1)
         clock.advance(3.0)
-        await ctl.stragglers.tick(spares=1)
+        await ctl.stragglers.tick(spares=lambda: 1)
         assert "next allowed in" in ctl.stragglers.decision and not view.drains
 
     run(scenario)
