@@ -102,13 +102,18 @@ def remember(history: RankHistory, step: int, loss: float | None, grad_norm: flo
 
 class NodeJudge:
     """The windows of one node's ranks (at most ``max_ranks``) and what a report does to the node's
-    progress: the newest anomaly rides in it until a newer one, and a NaN or Inf figure is left out
-    (the anomaly says it; the coordinator takes finite figures only)."""
+    progress: an anomaly rides in it until a newer incident, and a NaN or Inf figure is left out (the
+    anomaly says it; the coordinator takes finite figures only).
+
+    An **incident** is a run of anomalous steps of one kind on one rank: a NaN poisons the model, so
+    every later step is NaN too. Its first step is what matters (the rollback goes before it) and
+    what is reported, once; a clean step of that rank ends the incident."""
 
     def __init__(self, config: AnomalyConfig, max_ranks: int = 256) -> None:
         self.config = config
         self.max_ranks = max_ranks
         self.histories: dict[int, RankHistory] = {}
+        self._incidents: dict[int, str] = {}  # rank -> the kind of its ongoing incident
 
     def judge(self, previous: cluster_pb2.Progress, progress: cluster_pb2.Progress, rank: int) -> Anomaly | None:
         """Updates ``progress`` (a rank's new report, replacing ``previous``) in place."""
@@ -124,10 +129,15 @@ class NodeJudge:
         history = self.histories.setdefault(rank, RankHistory())
         found = judge_step(history, progress.step, rank, loss, grad, self.config)
         remember(history, progress.step, loss, grad, self.config)
-        if found is not None:
-            progress.anomaly.CopyFrom(cluster_pb2.StepAnomaly(step=found.step, rank=found.rank, kind=found.kind,
-                                                              value=found.value, baseline=found.baseline,
-                                                              reason=found.reason[:300]))
+        if found is None:
+            self._incidents.pop(rank, None)
+            return None
+        if self._incidents.get(rank) == found.kind:
+            return None  # the same incident goes on: its first step stays the one reported
+        self._incidents[rank] = found.kind
+        progress.anomaly.CopyFrom(cluster_pb2.StepAnomaly(step=found.step, rank=found.rank, kind=found.kind,
+                                                          value=found.value, baseline=found.baseline,
+                                                          reason=found.reason[:300]))
         return found
 
 

@@ -98,3 +98,11 @@ def test_the_node_keeps_its_newest_anomaly_and_never_sends_a_nan_figure() -> Non
     assert bad.anomaly.step == 10 and bad.anomaly.kind == NAN
     later = cluster_pb2.Progress(step=11, loss=1.0)
     assert judge.judge(bad, later, rank=0) is None and later.anomaly.step == 10, "kept until a newer one"
+    # The NaN poisoned rank 1: its later steps are NaN too, one incident whose first step stays reported.
+    still = cluster_pb2.Progress(step=11, loss=float("nan"))
+    assert judge.judge(later, still, rank=1) is None and still.anomaly.step == 10 and not still.HasField("loss")
+    clean = cluster_pb2.Progress(step=12, loss=1.0)
+    assert judge.judge(still, clean, rank=1) is None
+    again = cluster_pb2.Progress(step=13, loss=float("inf"))
+    found = judge.judge(clean, again, rank=1)
+    assert found is not None and again.anomaly.step == 13, "a clean step ended the incident: a new one"
