@@ -8,6 +8,7 @@ watch with the replace policy on demo-sized windows, so a false alarm would act,
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -44,6 +45,7 @@ def slow_node(ctx: Context) -> Outcome:
     time.sleep(SETTLE_S)  # a measurement window of the healthy rate (after the start-up), not a wait
     now = time.time()
     rate_before = step_rate(ctx.records(), now - RATE_S, now)
+    load_before = os.getloadavg()[0]  # for the detail: a rate that does not come back on a loaded box says so
     b = ctx.baseline()
     victim = b.world[-1]
     throttle = CpuThrottle(ctx.worker_pids(victim), 0.25)
@@ -65,6 +67,7 @@ def slow_node(ctx: Context) -> Outcome:
         back_s = time.time() - resumed
         if rate_after is None:
             rate_after = step_rate(ctx.records(), time.time() - RATE_S, time.time())
+        load_after = os.getloadavg()[0]
     finally:
         throttle.stop()
     detected = [e for e in ctx.events() if int(e["seq"]) > b.last_seq and e["kind"] == "straggler_detected"]
@@ -78,7 +81,7 @@ def slow_node(ctx: Context) -> Outcome:
               f"{result.resumed_step}); restarts {result.restarts_before} -> {result.restarts_after}"),
         Check("step_rate_back", rate_before > 0 and rate_after >= 0.9 * rate_before,
               f"{rate_after:.1f} steps/s after against {rate_before:.1f} before ({back_s:.0f}s after the "
-              "new world's first step)"),
+              f"new world's first step; load average {load_before:.1f} before, {load_after:.1f} after)"),
     ]
     return Outcome(b, frozenset({victim}), f"{victim} throttled ({throttle.how}); {result.verdict}", checks)
 

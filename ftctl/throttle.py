@@ -5,8 +5,17 @@ one CPU.
 The throttle is a CPU cgroup: cgroup v2's ``cpu.max`` where the unified hierarchy has the cpu
 controller, else cgroup v1's ``cpu.cfs_quota_us``. Without either (no root, a read-only cgroupfs)
 it falls back to duty-cycling the group with SIGSTOP/SIGCONT, the same average share in slices of
-``period_s``. Used by ``ftctl demo --straggler`` and the chaos matrix's slow-node scenarios; only
-process trees this tool's cluster started are ever touched (the caller passes their root).
+``period_s``.
+
+The period is short (10 ms, where the kernel's default CFS period is 100 ms) for a reason: a training
+step is a burst of compute between waits (a data load, a collective, a paced sleep). With a long
+period a short burst fits inside the slice the group may run in, the waits absorb the stopped part,
+and the "throttled" node computes at full speed. A short period stretches every burst of more than a
+few milliseconds by about ``1 / fraction``, as a throttled GPU stretches every kernel.
+``FTD_CGROUP_ROOT`` names another cgroupfs mount (a path with none forces the duty cycle).
+
+Used by ``ftctl demo --straggler`` and the chaos matrix's slow-node scenarios; only process trees
+this tool's cluster started are ever touched (the caller passes their root).
 """
 
 from __future__ import annotations
@@ -16,12 +25,14 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger("ftd.ftctl.throttle")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PERIOD_US = 100_000
+CGROUP_ROOT = Path(os.environ.get("FTD_CGROUP_ROOT", "/sys/fs/cgroup"))
+PERIOD_US = 10_000
+PIDS_EVERY_S = 0.5  # the duty cycle looks for new descendants this often (a /proc scan per slice costs a core)
 
 
 def tree_pids(root: int | Sequence[int]) -> list[int]:
@@ -52,7 +63,7 @@ class CpuThrottle:
     """``with CpuThrottle(pids, 0.3): ...`` (one root pid or several, with their descendants);
     :attr:`how` says which mechanism held it."""
 
-    def __init__(self, root: int | Sequence[int], fraction: float, period_s: float = 0.1) -> None:
+    def __init__(self, root: int | Sequence[int], fraction: float, period_s: float = PERIOD_US / 1e6) -> None:
         if not 0.01 <= fraction < 1.0:
             raise ValueError(f"a throttle keeps a fraction in [0.01, 1) of a CPU, got {fraction}")
         self.root, self.fraction, self.period_s = root, fraction, period_s
@@ -70,22 +81,25 @@ class CpuThrottle:
         self.stop()
 
     def start(self) -> str:
-        quota = int(self.fraction * PERIOD_US)
+        period_us = max(1000, int(self.period_s * 1e6))  # the kernel's least CFS period is 1 ms
+        quota = max(1000, int(self.fraction * period_us))
         first = self.root if isinstance(self.root, int) else min(self.root, default=0)
         name = f"ftd-throttle-{os.getpid()}-{first}"
-        ways = (("cgroup v2 cpu.max", CGROUP_ROOT, "cpu.max", f"{quota} {PERIOD_US}"),
-                ("cgroup v1 cpu.cfs_quota_us", CGROUP_ROOT / "cpu", "cpu.cfs_quota_us", str(quota)))
-        for how, base, knob, value in ways:
+        ways = (("cgroup v2 cpu.max", CGROUP_ROOT, {"cpu.max": f"{quota} {period_us}"}),
+                ("cgroup v1 cpu.cfs_quota_us", CGROUP_ROOT / "cpu",
+                 {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota)}))
+        for how, base, knobs in ways:
             if how.startswith("cgroup v2") and "cpu" not in _read(base / "cgroup.controllers").split():
                 continue
-            if how.startswith("cgroup v1") and not (base / knob).exists():
+            if how.startswith("cgroup v1") and not all((base / k).exists() for k in knobs):
                 continue
             group = base / name
             try:
                 if how.startswith("cgroup v2") and "cpu" not in _read(base / "cgroup.subtree_control").split():
                     (base / "cgroup.subtree_control").write_text("+cpu")
                 group.mkdir(exist_ok=True)
-                (group / knob).write_text(value)
+                for each, value in knobs.items():
+                    (group / each).write_text(value)
                 for pid in tree_pids(self.root):
                     with contextlib.suppress(ProcessLookupError, OSError):
                         (group / "cgroup.procs").write_text(str(pid))
@@ -103,8 +117,11 @@ class CpuThrottle:
 
     def _duty_cycle(self) -> None:
         run_s, stop_s = self.fraction * self.period_s, (1 - self.fraction) * self.period_s
+        held: list[int] = []
+        looked = float("-inf")
         while not self._stop.is_set():
-            held = tree_pids(self.root)
+            if time.monotonic() - looked >= PIDS_EVERY_S:
+                held, looked = tree_pids(self.root), time.monotonic()
             _signal(held, signal.SIGSTOP)
             self._stop.wait(stop_s)
             _signal(held, signal.SIGCONT)

@@ -69,3 +69,55 @@ def test_a_busy_process_group_is_held_to_its_share(busy: subprocess.Popen[bytes]
 def test_a_fraction_outside_its_range_is_refused() -> None:
     with pytest.raises(ValueError, match="fraction"):
         CpuThrottle(1, 1.0)
+
+
+# A training step in miniature: a burst of compute (about 15 ms, calibrated) after a 20 ms wait. A
+# throttle with a long period lets the burst run whole inside its slice (the wait absorbs the stopped
+# part) and slows nothing; the throttle must stretch the burst itself, as a slow GPU stretches a kernel.
+BURSTY = """
+import sys, time
+def burst(n):
+    t = time.perf_counter(); x = 0
+    for i in range(n):
+        x += i
+    return time.perf_counter() - t
+n = 10000
+while burst(n) < 0.015:
+    n *= 2
+out = open(sys.argv[1], "a")
+while True:
+    time.sleep(0.02)
+    out.write(f"{time.time()} {burst(n)}\\n"); out.flush()
+"""
+
+
+def bursts_between(path: Path, since: float, until: float) -> list[float]:
+    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    return sorted(float(b) for t, b in rows if since <= float(t) <= until)
+
+
+@pytest.mark.parametrize("way", ["cgroup", "duty-cycle"])
+def test_a_burst_of_compute_between_waits_is_stretched(way: str, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    if way == "duty-cycle":
+        monkeypatch.setattr(throttle, "CGROUP_ROOT", tmp_path / "no-cgroupfs")
+    log = tmp_path / "bursts"
+    proc = subprocess.Popen([sys.executable, "-c", BURSTY, str(log)], start_new_session=True)
+    try:
+        wait_for(lambda: log.exists() and len(log.read_text().splitlines()) >= 20, 30, "the bursts calibrated")
+        t0 = time.time()
+        wait_for(lambda: len(bursts_between(log, t0, time.time())) >= 15, 30, "15 free bursts")
+        free = bursts_between(log, t0, time.time())
+        with CpuThrottle(proc.pid, 0.25) as held:
+            if way == "cgroup" and not held.how.startswith("cgroup"):
+                pytest.skip(f"no writable CPU cgroup on this machine (fell back to {held.how})")
+            t1 = time.time()
+            wait_for(lambda: len(bursts_between(log, t1, time.time())) >= 15, 60, "15 throttled bursts")
+            held_bursts = bursts_between(log, t1, time.time())
+        median_free, median_held = free[len(free) // 2], held_bursts[len(held_bursts) // 2]
+        # A quarter of a CPU stretches a burst about 4x; 2x is the generous bound (a shared 2-core box).
+        assert median_held > 2 * median_free, f"bursts {median_free * 1e3:.1f} ms free, {median_held * 1e3:.1f} " \
+                                              f"ms throttled ({held.how})"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
