@@ -224,7 +224,7 @@ class AgentDaemon:
 
     # ---- state shared with the service ------------------------------------------------------
 
-    def report_progress(self, progress: cluster_pb2.Progress, rank: int = 0) -> None:
+    def report_progress(self, progress: cluster_pb2.Progress, rank: int = 0, round_: int | None = None) -> None:
         with self._progress_lock:
             if progress.reported_unix_s == 0:
                 progress.reported_unix_s = time.time()
@@ -232,7 +232,7 @@ class AgentDaemon:
             if not progress.HasField("restored") and self._progress.HasField("restored"):
                 progress.restored.CopyFrom(self._progress.restored)  # kept until a newer restore is reported
             carry_parked(self._progress, progress)
-            self._judge_anomaly(progress, rank)
+            self._judge_anomaly(progress, rank, round_)
             if progress.step < previous:
                 self._timings.clear()  # a new world restarted from an older step: other ranks, maybe
             t = progress.timing
@@ -255,8 +255,8 @@ class AgentDaemon:
         if self.training is not None:
             self.training.on_progress(progress.step)
 
-    def _judge_anomaly(self, progress: cluster_pb2.Progress, rank: int) -> None:
-        found = self._anomalies.judge(self._progress, progress, rank)  # under the progress lock
+    def _judge_anomaly(self, progress: cluster_pb2.Progress, rank: int, round_: int | None) -> None:
+        found = self._anomalies.judge(self._progress, progress, rank, round_)  # under the progress lock
         if found is not None:
             self.metrics.step_anomalies.labels(found.kind).inc()
             log.warning("step anomaly: %s", found.reason)

@@ -94,7 +94,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             raise errors.BadRequest("progress: is required")
         if request.progress.step < 0:
             raise errors.BadRequest(f"progress.step: must be >= 0, got {request.progress.step}")
-        self.daemon.report_progress(request.progress, request.rank)
+        self.daemon.report_progress(request.progress, request.rank,
+                                    request.job_round if request.HasField("job_round") else None)
         return self._progress_answer()
 
     def _progress_answer(self) -> agent_pb2.ReportProgressResponse:

@@ -107,7 +107,8 @@ class NodeJudge:
 
     An **incident** is a run of anomalous steps of one kind on one rank: a NaN poisons the model, so
     every later step is NaN too. Its first step is what matters (the rollback goes before it) and
-    what is reported, once; a clean step of that rank ends the incident."""
+    what is reported, once; a clean step of that rank ends the incident, and so does a restore (its
+    step going back: a rollback restarts the rank, and the same fault again is a new incident)."""
 
     def __init__(self, config: AnomalyConfig, max_ranks: int = 256) -> None:
         self.config = config
@@ -115,8 +116,10 @@ class NodeJudge:
         self.histories: dict[int, RankHistory] = {}
         self._incidents: dict[int, str] = {}  # rank -> the kind of its ongoing incident
 
-    def judge(self, previous: cluster_pb2.Progress, progress: cluster_pb2.Progress, rank: int) -> Anomaly | None:
-        """Updates ``progress`` (a rank's new report, replacing ``previous``) in place."""
+    def judge(self, previous: cluster_pb2.Progress, progress: cluster_pb2.Progress, rank: int,
+              round_: int | None = None) -> Anomaly | None:
+        """Updates ``progress`` (a rank's new report, replacing ``previous``) in place; ``round_`` is
+        the job round the rank trains in (an anomaly carries it)."""
         if previous.HasField("anomaly") and not progress.HasField("anomaly"):
             progress.anomaly.CopyFrom(previous.anomaly)
         loss = progress.loss if progress.HasField("loss") else None
@@ -127,6 +130,8 @@ class NodeJudge:
         if (loss is None and grad is None) or (len(self.histories) >= self.max_ranks and rank not in self.histories):
             return None
         history = self.histories.setdefault(rank, RankHistory())
+        if progress.step <= history.last_step:
+            self._incidents.pop(rank, None)  # restored (a rollback, a new world): a new timeline
         found = judge_step(history, progress.step, rank, loss, grad, self.config)
         remember(history, progress.step, loss, grad, self.config)
         if found is None:
@@ -138,6 +143,8 @@ class NodeJudge:
         progress.anomaly.CopyFrom(cluster_pb2.StepAnomaly(step=found.step, rank=found.rank, kind=found.kind,
                                                           value=found.value, baseline=found.baseline,
                                                           reason=found.reason[:300]))
+        if round_ is not None:
+            progress.anomaly.round = round_
         return found
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 from prometheus_client import Counter
 
@@ -23,20 +24,24 @@ MAX_PENDING = 64
 
 
 class AnomalyLog:
-    def __init__(self, state: LeaderState, counter: Counter) -> None:
+    def __init__(self, state: LeaderState, counter: Counter,
+                 on_new: Callable[[str, cluster_pb2.StepAnomaly], None] | None = None) -> None:
         self.state = state
         self.counter = counter
-        self._seen: dict[str, tuple[int, int, str]] = {}  # node -> (step, rank, kind) of its newest anomaly
+        self.on_new = on_new  # each new anomaly once (the rollback keeper)
+        self._seen: dict[str, tuple[int, int, str, int]] = {}  # node -> (step, rank, kind, round) of its newest
         self._pending: list[tuple[str, str, str]] = []
 
     def observe(self, node_id: str, progress: cluster_pb2.Progress) -> None:
         if not progress.HasField("anomaly"):
             return
         a = progress.anomaly
-        key = (a.step, a.rank, a.kind)
+        key = (a.step, a.rank, a.kind, a.round if a.HasField("round") else -1)
         if self._seen.get(node_id) == key:
             return
         self._seen[node_id] = key
+        if self.on_new is not None:
+            self.on_new(node_id, a)
         self.counter.labels(a.kind if a.kind in ("nan", "loss_spike", "grad_norm_jump") else "other").inc()
         text = f"{node_id}: {a.reason or f'{a.kind} at step {a.step} (rank {a.rank})'}"[:400]
         log.warning("step anomaly on %s", text)

@@ -81,6 +81,25 @@ class CatalogKeeper:
         self.wall = wall
         self._lock = asyncio.Lock()
         self._valid_at: dict[tuple[str, int], float] = {}  # when a step became valid, on this leader
+        # (job, the saving round) -> the first step not to record: a step anomaly is being rolled back,
+        # and every checkpoint from it on would be suspect (coordinator/rollbacks.py sets it)
+        self.held: Callable[[str, int | None], int | None] = lambda job, round_: None
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while the catalog changes: a commit of a shard checks its round and lands under it."""
+        return self._lock
+
+    def unreachable(self, job: str) -> set[str]:
+        view = self.state.require_leader()
+        return _unreachable(view, [r for (j, _), r in view.catalog.items() if j == job])
+
+    def applied(self, records: Sequence[rules.CheckpointRecord]) -> None:
+        """The view once ``records`` are committed with other records (a rollback's suspect marks)."""
+        view = self.state.require_leader()
+        for record in records:
+            view.catalog[(record.job, record.step)] = record
+        self.publish_gauges()
 
     # The records live in the leader's view, loaded from etcd with everything else.
     def _records(self) -> dict[tuple[str, int], rules.CheckpointRecord]:
@@ -162,6 +181,11 @@ class CatalogKeeper:
             restored = request.restored_step if request.HasField("restored_step") else None
             round_ = request.job_round if request.HasField("job_round") else None
             self._check_round(manifest, round_)
+            held = self.held(manifest.job, round_)
+            if held is not None and manifest.step >= held:
+                raise errors.CatalogConflict(f"rank {manifest.rank} of job {manifest.job}: step {manifest.step} is not "
+                                             f"recorded: the step anomaly at step {held} is being rolled back (every "
+                                             "checkpoint from it on would be suspect)")
             abandoned = rules.superseded_by(records.values(), manifest, restored, round_)
             gone = {(r.job, r.step) for r in abandoned}
             before = None if (manifest.job, manifest.step) in gone else records.get((manifest.job, manifest.step))
@@ -326,8 +350,13 @@ class CatalogKeeper:
                                            replicated, fmt)
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)
+        state = view.jobs.get(job)
+        skip = state.skip_until if state is not None and state.skip_until > target.step else 0
+        if skip:
+            why += f"; the data of steps {target.step + 1}..{skip} is skipped (rolled back past a step anomaly)"
         return checkpoint_pb2.RestoreTarget(found=True, checkpoint=rules.to_info(target), reason=why,
-                                            resharded=bool(world_size) and target.world_size != world_size)
+                                            resharded=bool(world_size) and target.world_size != world_size,
+                                            skip_until_step=skip)
 
     async def rollback(self, request: checkpoint_pb2.RollbackRequest) -> checkpoint_pb2.RollbackResponse:
         job, step = _check(request.job, request.step)

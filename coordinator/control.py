@@ -37,6 +37,7 @@ from .guard_metrics import guard_metrics
 from .jobs import JobKeeper
 from .membership import Membership
 from .metrics import CoordinatorMetrics
+from .rollbacks import RollbackKeeper
 from .settings import CoordinatorSettings
 from .store import Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
 from .store_calls import StoreCalls
@@ -80,7 +81,10 @@ class Controller:
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.stragglers = StragglerWatch(self.committer, settings.straggler, self.metrics, self.drains.drain, clock,
                                          wall)
-        self.anomalies = AnomalyLog(self.committer, self.metrics.step_anomalies)
+        self.rollbacks = RollbackKeeper(self.committer, settings.rollback, self.jobs, self.catalog,
+                                        self.metrics.rollbacks, clock, wall)
+        self.catalog.held = self.rollbacks.held
+        self.anomalies = AnomalyLog(self.committer, self.metrics.step_anomalies, self.rollbacks.observe)
         self.membership.on_progress = self._on_progress
         self.membership.also_unfit = self.stragglers.unfit
         self.gauges = Gauges(self.committer, self.membership, self.catalog, self.metrics, self.security, clock)
@@ -127,6 +131,7 @@ class Controller:
         state.suspended = False
         self.membership.new_term()
         self.stragglers.new_term()
+        self.rollbacks.new_term()
         self.metrics.is_leader.set(1)
         set_identity(role="leader", epoch=state.view.world.epoch)
         state.view.etcd_alarms = list(self.alarms.raised)
@@ -233,6 +238,7 @@ class Controller:
         if self.committer.view is not None:
             await self.stragglers.tick(self.membership.healthy_spares)
             await self.anomalies.flush()
+            await self.rollbacks.tick()
         if self.membership.changed or now - self.gauges.published_at >= 1.0:
             self.gauges.publish()
 

@@ -82,6 +82,15 @@ class JobKeeper:
             return
         await self.state.commit("job", events=[("job", "", event)], kv_puts={rules.key(after.job): rules.encode(after)},
                                 kv_deletes=[rules.key(j) for j in evict])
+        self.applied(before, after, evict)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while a job record changes (a rollback commits one with the catalog's marks)."""
+        return self._lock
+
+    def applied(self, before: rules.JobState | None, after: rules.JobState, evict: Sequence[str] = ()) -> None:
+        """The view and the agents once ``after`` is committed (by :meth:`_save` or with other records)."""
         view = self.state.require_leader()
         for job in evict:
             view.jobs.pop(job, None)

@@ -72,5 +72,8 @@ class CoordinatorMetrics:
         self.step_anomalies = Counter("ftd_coordinator_step_anomalies_total",
                                       "Step anomalies the agents reported (NaN/Inf, loss spike, gradient-norm jump), "
                                       "by kind", ["kind"], registry=r)
+        self.rollbacks = Counter("ftd_coordinator_rollbacks_total",
+                                 "Jobs rolled back past a step anomaly (anomaly_action=rollback), by outcome: "
+                                 "rolled_back, or closed (the rollback budget was spent)", ["outcome"], registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

@@ -13,6 +13,7 @@ from ftd.settings import require, setting
 
 from .detector import DetectorSettings
 from .handover_rules import HandoverPolicy
+from .rollback_rules import RollbackConfig
 from .stragglers import StragglerConfig
 
 ENV_PREFIX = "FTD_COORDINATOR_"
@@ -81,6 +82,17 @@ class CoordinatorSettings:
     straggler_min_excess_s: float = setting(
         0.01, "and slow only when its median compute is this much longer than the others' (jitter is no straggler)",
         "s")
+    anomaly_action: str = setting(
+        "alert", "what a step anomaly (NaN/Inf, loss spike, gradient-norm jump) gets: alert (an event, the "
+                 "FtdStepAnomaly alert) or rollback (every rank restarts from the newest checkpoint saved before it; "
+                 "the later ones are marked suspect)")
+    anomaly_max_rollbacks: int = setting(3, "rollbacks per job; the next anomaly closes the job", "rollbacks")
+    anomaly_gather_s: float = setting(
+        2.0, "after a round's first anomaly, wait this long for the other nodes' reports (a NaN spreads through "
+             "the next all-reduce)", "s")
+    anomaly_skip_batches: bool = setting(
+        False, "a rolled-back job skips the data of the steps up to the anomaly (the Checkpointer moves the data "
+               "loader on)")
     fenced_node_retention_s: float = setting(
         86400.0, "a fenced node's record is deleted this long after its fence (0: kept for ever)", "s")
     write_rate_per_node_s: float = setting(
@@ -146,6 +158,10 @@ class CoordinatorSettings:
             self.straggler  # noqa: B018 (validated by constructing it)
         except ValueError as exc:
             require(False, "straggler_*", str(exc))
+        try:
+            self.rollback  # noqa: B018 (validated by constructing it)
+        except ValueError as exc:
+            require(False, "anomaly_*", str(exc))
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")
 
@@ -165,6 +181,11 @@ class CoordinatorSettings:
                                self.straggler_min_samples, self.straggler_min_evidence_s, self.straggler_warmup_s,
                                self.straggler_action, self.straggler_min_replace_interval_s,
                                self.straggler_strong_score, self.straggler_min_excess_s)
+
+    @property
+    def rollback(self) -> RollbackConfig:
+        return RollbackConfig(self.anomaly_action, self.anomaly_max_rollbacks, self.anomaly_gather_s,
+                              self.anomaly_skip_batches)
 
     @property
     def handover(self) -> HandoverPolicy:

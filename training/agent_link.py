@@ -129,6 +129,8 @@ class AgentLink:
         """``parked_step`` (with ``step``): this rank stopped there for a planned hand-over (-1: its final
         save failed); the coordinator commits the hand-over once that step is restorable."""
         request = agent_pb2.ReportProgressRequest(rank=rank, checkpoint_error=error, checkpoint_error_kind=error_kind)
+        if self.round is not None:
+            request.job_round = self.round
         if checkpoint is not None:
             request.checkpoint.CopyFrom(checkpoint)
         if step is not None:

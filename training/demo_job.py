@@ -72,6 +72,10 @@ class Batches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
 
+    def skip_batches(self, steps: int) -> None:
+        """A rollback past a bad step skips the data that led to it (one batch per step here)."""
+        self.position += steps
+
 
 def rng_crc() -> str:
     """A fingerprint of torch's global RNG state."""
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                          "as the step's compute with the forward pass (what the straggler detector compares)")
     ap.add_argument("--nan-at", type=int, default=-1,
                     help="a fault for tests: the loss of rank --nan-rank becomes NaN at this step (it poisons the "
-                         "model from there on, as a real NaN does)")
+                         "model from there on, as a real NaN does); a transient fault: once per job (a marker file "
+                         "in --out), so a rollback's rerun of the step is clean")
     ap.add_argument("--nan-rank", type=int, default=0)
     ap.add_argument("--finish-file", type=Path, default=None,
                     help="a finish line: once this file holds a step number, every rank stops after that step "
@@ -251,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             x, y = batches.next()
         with timing.compute():
             loss = torch.nn.functional.mse_loss(ddp(x), y)
-            if step == args.nan_at and rank == args.nan_rank:
+            if step == args.nan_at and rank == args.nan_rank and not (args.out / "nan-fired").exists():
+                (args.out / "nan-fired").write_text(f"{step}\n")
+                emit(event="nan_injected", step=step)
                 loss = loss * float("nan")
             for _ in range(args.work):
                 work @ work  # the compute a GPU kernel would do

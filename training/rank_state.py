@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 import random
 import sys
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("ftd.training.rank_state")
 FILE = "ftd_rank_state.pt"  # in every shard folder, next to state.pt or the dcp files
 
 
@@ -62,6 +64,20 @@ class RankState:
             self.dataloader.load_state_dict(saved["dataloader"])
             done.append("dataloader")
         return done
+
+    def skip(self, steps: int) -> list[str]:
+        """After a rollback past a step anomaly with ``skip_batches``: the loader skips the data of the
+        next ``steps`` steps (the window that led to the anomaly), through its ``skip_batches(steps)``
+        (the loader knows how many batches a step takes). A loader without one skips nothing, said."""
+        skip = getattr(self.dataloader, "skip_batches", None)
+        if steps <= 0:
+            return []
+        if not callable(skip):
+            log.warning("the rollback asks to skip the data of %d step(s), but the data loader (%s) has no "
+                        "skip_batches(steps): nothing is skipped", steps, type(self.dataloader).__name__)
+            return []
+        skip(steps)
+        return [f"skipped the data of {steps} step(s)"]
 
 
 def rng_states() -> dict[str, Any]:

@@ -199,6 +199,7 @@ class Restorer:
                 return None
             if loaded is not None and loaded[0] == low:
                 self.restored_extra = self.extra.apply(self._extra) if self._extra is not None else []
+                self.restored_extra += self.extra.skip(target.skip_until_step - low)
                 log.info("restored step %d (rank %d): %s%s", low, self.rank, target.reason,
                          f" (and {', '.join(self.restored_extra)})" if self.restored_extra else "")
                 self._report_restored(low, target.reason, target.checkpoint.world_size)

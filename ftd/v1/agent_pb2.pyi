@@ -655,11 +655,16 @@ class ReportProgressRequest(_message.Message):
     CHECKPOINT_ERROR_KIND_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     RESTORED_FIELD_NUMBER: _builtins.int
+    JOB_ROUND_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     checkpoint_error: _builtins.str
     """a save that failed on this rank (e.g. no space left on the SSD tier)"""
     checkpoint_error_kind: _builtins.str
     """"disk_full", "io", ..."""
+    job_round: _builtins.int
+    """The job round the rank trains in (FTD_ROUND; absent: not known): a step anomaly carries it, so that
+    the coordinator rolls back once per incident, never for an anomaly of a round it already left.
+    """
     @_builtins.property
     def progress(self) -> _cluster_pb2.Progress: ...
     @_builtins.property
@@ -679,12 +684,15 @@ class ReportProgressRequest(_message.Message):
         checkpoint_error_kind: _builtins.str = ...,
         checkpoint: Global___CheckpointEvent | None = ...,
         restored: _cluster_pb2.Restored | None = ...,
+        job_round: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "progress", b"progress", "restored", b"restored"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_job_round", b"_job_round", "checkpoint", b"checkpoint", "job_round", b"job_round", "progress", b"progress", "restored", b"restored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_error", b"checkpoint_error", "checkpoint_error_kind", b"checkpoint_error_kind", "progress", b"progress", "rank", b"rank", "restored", b"restored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_round", b"_job_round", "checkpoint", b"checkpoint", "checkpoint_error", b"checkpoint_error", "checkpoint_error_kind", b"checkpoint_error_kind", "job_round", b"job_round", "progress", b"progress", "rank", b"rank", "restored", b"restored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__job_round: _TypeAlias = _typing.Literal["job_round"]  # noqa: Y015
+    _WhichOneofArgType__job_round: _TypeAlias = _typing.Literal["_job_round", b"_job_round"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__job_round) -> _WhichOneofReturnType__job_round | None: ...
 
 Global___ReportProgressRequest: _TypeAlias = ReportProgressRequest  # noqa: Y015
 

@@ -526,11 +526,16 @@ class RestoreTarget(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     RESHARDED_FIELD_NUMBER: _builtins.int
+    SKIP_UNTIL_STEP_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
     reason: _builtins.str
     resharded: _builtins.bool
     """The target was saved with another world size than the request's: the restore reshards it (dcp)
     or reads another rank's copy (replicated).
+    """
+    skip_until_step: _builtins.int
+    """A rollback after a step anomaly with skip_batches: the job skips the data of the steps after the
+    target up to and including this one (the window that led to the anomaly). 0: skip nothing.
     """
     @_builtins.property
     def checkpoint(self) -> Global___CheckpointInfo: ...
@@ -541,10 +546,11 @@ class RestoreTarget(_message.Message):
         checkpoint: Global___CheckpointInfo | None = ...,
         reason: _builtins.str = ...,
         resharded: _builtins.bool = ...,
+        skip_until_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "found", b"found", "reason", b"reason", "resharded", b"resharded"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "found", b"found", "reason", b"reason", "resharded", b"resharded", "skip_until_step", b"skip_until_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -355,6 +355,7 @@ class StepAnomaly(_message.Message):
     VALUE_FIELD_NUMBER: _builtins.int
     BASELINE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     rank: _builtins.int
     kind: _builtins.str
@@ -363,6 +364,8 @@ class StepAnomaly(_message.Message):
     baseline: _builtins.float
     """the trailing median it was compared with (NaN for NaN/Inf)"""
     reason: _builtins.str
+    round: _builtins.int
+    """the job round the rank trained in (absent: not known)"""
     def __init__(
         self,
         *,
@@ -372,12 +375,15 @@ class StepAnomaly(_message.Message):
         value: _builtins.float = ...,
         baseline: _builtins.float = ...,
         reason: _builtins.str = ...,
+        round: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_round", b"_round", "round", b"round"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "kind", b"kind", "rank", b"rank", "reason", b"reason", "step", b"step", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round", b"_round", "baseline", b"baseline", "kind", b"kind", "rank", b"rank", "reason", b"reason", "round", b"round", "step", b"step", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__round: _TypeAlias = _typing.Literal["round"]  # noqa: Y015
+    _WhichOneofArgType__round: _TypeAlias = _typing.Literal["_round", b"_round"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__round) -> _WhichOneofReturnType__round | None: ...
 
 Global___StepAnomaly: _TypeAlias = StepAnomaly  # noqa: Y015
 

@@ -1,0 +1,122 @@
+"""The leader's answer to step anomalies with ``anomaly_action = "rollback"`` (rules in
+:mod:`.rollback_rules`): the job's checkpoints from the first bad step on marked suspect and a new
+round of the same members, committed in **one** etcd transaction with the event.
+
+The marks and the round land under the catalog's lock: a shard of the old round is either committed
+before them (and marked with the rest) or refused after them (its round is over), so no checkpoint
+of the poisoned timeline is ever offered; the new round's ranks ask for their restore target only
+after the agents abort the old workers, when the marks are in. A failed commit (etcd unreachable)
+leaves the anomalies pending: the next tick tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from prometheus_client import Counter
+
+from ftd.checkpoints import catalog as catalog_rules
+from ftd.v1 import cluster_pb2
+
+from . import errors
+from . import rendezvous as job_rules
+from . import rollback_rules as rules
+from .catalog import CatalogKeeper
+from .jobs import JobKeeper
+from .leader_state import LeaderState
+
+log = logging.getLogger("ftd.coordinator.rollbacks")
+MAX_PENDING = 256
+
+
+class RollbackKeeper:
+    def __init__(self, state: LeaderState, config: rules.RollbackConfig, jobs: JobKeeper, catalog: CatalogKeeper,
+                 counter: Counter, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.state, self.config, self.jobs, self.catalog = state, config, jobs, catalog
+        self.counter = counter  # ftd_coordinator_rollbacks_total{outcome}
+        self.clock, self.wall = clock, wall
+        self.pending: dict[str, list[rules.Seen]] = {}  # job -> anomalies gathered for it
+        self.decision = ""  # the newest decision and why (ftctl status)
+
+    def observe(self, node_id: str, anomaly: cluster_pb2.StepAnomaly) -> None:
+        """A new anomaly (the anomaly log passes each once); kept for the job whose round has the node."""
+        view = self.state.view
+        if self.config.action != rules.ROLLBACK or view is None:
+            return
+        job = rules.job_of(node_id, view.jobs.values())
+        if job is None:
+            return
+        seen = rules.Seen(node_id, anomaly.step, anomaly.rank, anomaly.kind,
+                          anomaly.round if anomaly.HasField("round") else None, anomaly.reason, self.clock())
+        got = self.pending.setdefault(job.job, [])
+        if len(got) < MAX_PENDING:
+            got.append(seen)
+
+    def held(self, job: str, round_: int | None) -> int | None:
+        """The first step of ``job`` whose checkpoints are not recorded now (a shard saved in round
+        ``round_``): the earliest anomaly gathered for a rollback, in that round or one not known."""
+        steps = [s.step for s in self.pending.get(job, ()) if s.round is None or round_ is None or s.round == round_]
+        return min(steps, default=None)
+
+    def new_term(self) -> None:
+        self.pending.clear()  # a new leader starts from the reports (the job record says what was answered)
+
+    async def tick(self) -> None:
+        for job_name in list(self.pending):
+            if rules.due(self.pending[job_name], self.clock(), self.config):
+                await self._answer(job_name)
+
+    async def _answer(self, job_name: str) -> None:
+        async with self.catalog.lock, self.jobs.lock:
+            view = self.state.require_leader()
+            job = view.jobs.get(job_name)
+            pending = self.pending.get(job_name, [])
+            if job is None:
+                self.pending.pop(job_name, None)
+                return
+            records = [r for (j, _), r in view.catalog.items() if j == job_name]
+            plan, why = rules.rollback_due(pending, job, records, self.config, self.catalog.unreachable(job_name))
+            if plan is None:
+                self.pending.pop(job_name, None)
+                self.decision = f"{job_name}: {why}"
+                log.info("job %s: no rollback: %s", job_name, why)
+                return
+            try:
+                await self._commit(plan, job, records)
+            except errors.NotLeader:
+                self.pending.clear()
+                return
+            except (errors.StateUnavailable, errors.StateRejected) as exc:
+                self.decision = f"{job_name}: rollback pending: {exc}"
+                log.warning("job %s: rollback not committed (%s); retried on the next tick", job_name, exc)
+                return
+            self.pending.pop(job_name, None)
+            self.decision = f"{job_name}: {plan.reason}"
+
+    async def _commit(self, plan: rules.RollbackPlan, job: job_rules.JobState,
+                      records: list[catalog_rules.CheckpointRecord]) -> None:
+        if plan.close:
+            after = job_rules.close(job, plan.reason)
+            marked: list[catalog_rules.CheckpointRecord] = []
+        else:
+            skip = plan.first_bad if self.config.skip_batches else -1
+            after = job_rules.rolled_back(self.wall(), job, plan.anomaly.key, plan.target, plan.reason, skip)
+            why = rules.suspect_reason(plan)
+            marked = [replace(r, invalid_reason=why) for r in records if r.step in set(plan.suspects)]
+        puts = {job_rules.key(after.job): job_rules.encode(after)}
+        for record in marked:
+            puts.update(catalog_rules.encode(record, []))
+        kind = "rollback_budget_spent" if plan.close else "rollback"
+        await self.state.commit("rollback", events=[(kind, plan.anomaly.node_id, f"{plan.job}: {plan.reason}"[:400])],
+                                kv_puts=puts)
+        self.catalog.applied(marked)
+        self.jobs.applied(job, after)
+        self.counter.labels("closed" if plan.close else "rolled_back").inc()
+        log.warning("job %s: %s", plan.job, plan.reason)
+
+
+__all__ = ["RollbackKeeper"]
