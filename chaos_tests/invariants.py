@@ -84,6 +84,17 @@ def no_false_straggler_replacement(events: Iterable[Event], after_seq: int, faul
     return Check("no_false_straggler", True, "no healthy node drained as a straggler")
 
 
+def no_false_rollback(events: Iterable[Event], after_seq: int, expected: bool) -> Check:
+    """No rollback outside a scenario that injects a bad step: every scenario runs with
+    ``anomaly_action=rollback``, so a false step anomaly (a loss after a restore, a slow step) would
+    roll the job back, not only alert."""
+    got = [str(e.get("message", "")) for e in events if int(e["seq"]) > after_seq
+           and e["kind"] in ("rollback", "rollback_budget_spent")]
+    if got and not expected:
+        return Check("no_false_rollback", False, f"rolled back without a bad step: {got[:3]}")
+    return Check("no_false_rollback", True, f"{len(got)} rollback(s)" + (" (the scenario's bad step)" if got else ""))
+
+
 def job_finished(records: Iterable[Record], last_step: int) -> Check:
     done = [r for r in records if r.get("event") == "done"]
     if not done:

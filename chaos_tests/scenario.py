@@ -30,6 +30,9 @@ from . import invariants
 from .invariants import Check
 
 JOB = "chaos"
+# Every scenario runs with the rollback policy on: a false step anomaly would act, not only alert
+# (the no_false_rollback invariant).
+ROLLBACK_POLICY = ("--anomaly-action", "rollback")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Outcome:
     faulted: frozenset[str] = frozenset()
     detail: str = ""
     checks: list[Check] = field(default_factory=list)
+    rollback_expected: bool = False  # the scenario injects a bad step: a rollback is its point
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ class Context:
                                   racks=shape.racks, timeout_s=timeout_s, train=train, shared_hdd=shape.shared_hdd,
                                   isolate=True, etcd_members=shape.etcd, s3=shape.s3,
                                   extra_agent_args=list(shape.agent_args),
-                                  extra_coordinator_args=list(shape.coordinator_args))
+                                  extra_coordinator_args=[*ROLLBACK_POLICY, *shape.coordinator_args])
         ctx = cls(workdir, shape, cluster)
         try:
             ctx.wait_step(shape.warmup_steps, timeout_s, restorable=True)
@@ -305,6 +309,7 @@ def judge(ctx: Context, outcome: Outcome, finish_line: int) -> list[Check]:
         invariants.resumed_at_or_after(records, b.at_unix_s, b.restorable_step),
         invariants.only_faulted_declared_dead(events, b.last_seq, outcome.faulted),
         invariants.no_false_straggler_replacement(events, b.last_seq, outcome.faulted),
+        invariants.no_false_rollback(events, b.last_seq, outcome.rollback_expected),
         invariants.job_finished(records, finish_line),
         *outcome.checks,
     ]

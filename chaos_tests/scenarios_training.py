@@ -8,6 +8,7 @@ watch with the replace policy on demo-sized windows, so a false alarm would act,
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from typing import Any
@@ -15,9 +16,10 @@ from typing import Any
 from ftd.ftctl import preempt_drill
 from ftd.ftctl.demo import STRAGGLER_DEMO_ARGS
 from ftd.ftctl.throttle import CpuThrottle
+from ftd.v1 import coordinator_pb2
 
 from .invariants import Check
-from .scenario import Context, Outcome, Scenario, Shape, within
+from .scenario import JOB, Context, Outcome, Scenario, Shape, within
 
 SLOW = Shape(step_time_s=0.02, warmup_steps=20, train_args="--work 60", coordinator_args=tuple(STRAGGLER_DEMO_ARGS))
 RATE_S = 6.0  # the step rate is measured over this long
@@ -114,8 +116,63 @@ def uniform_slowdown(ctx: Context) -> Outcome:
     return Outcome(b, frozenset(), f"every node's workers held to 35% of a CPU ({how}); scores {scores}", checks)
 
 
+NAN_AT = 70  # past the warm-up (step 20) and the baseline, with durable checkpoints before it
+NAN = Shape(train_args=f"--nan-at {NAN_AT} --nan-rank 1")
+
+
+def nan_step(ctx: Context) -> Outcome:
+    """A failpoint makes rank 1's loss NaN at step N (once: a transient fault); DDP spreads it to
+    every rank at the next all-reduce. The leader rolls the job back, once, to the newest checkpoint
+    saved before N, marks the later ones suspect, and the rerun from there is clean past N."""
+    b = ctx.baseline()
+
+    def rollback_events() -> list[dict[str, Any]] | None:
+        got = [e for e in ctx.events() if int(e["seq"]) > b.last_seq and e["kind"].startswith("rollback")]
+        return got or None
+
+    events = within(rollback_events, 60.0, "a rollback event", interval_s=0.5) or []
+    fired = [r for r in ctx.records() if r.get("event") == "nan_injected"]
+    fired_at = float(fired[0]["t"]) if fired else float("inf")
+
+    def restarted() -> list[dict[str, Any]] | None:
+        got = [r for r in ctx.records() if r.get("event") == "start" and float(r["t"]) > fired_at]
+        return got if len({int(r["rank"]) for r in got}) >= 2 else None
+
+    starts = within(restarted, 60.0, "every rank restarted after the NaN", interval_s=0.5) or []
+    rerun_at = max((float(r["t"]) for r in starts), default=float("inf"))
+
+    def resumed_past() -> list[dict[str, Any]] | None:
+        steps = [r for r in ctx.records() if r.get("event") == "step" and float(r["t"]) > rerun_at
+                 and int(r["step"]) > NAN_AT + 5 and r.get("loss") is not None]
+        return steps or None
+
+    later = within(resumed_past, 60.0, f"the rerun past step {NAN_AT}", interval_s=0.5) or []
+    restored = sorted({int(r["restored_step"]) for r in starts})
+    info = ctx.client.call("GetRound", coordinator_pb2.GetRoundRequest(job=JOB), idempotent=True)
+    target = ctx.restorable_step()
+    rolled_at = float(events[0]["at_unix_s"]) if events else 0.0
+    stale = [c.step for c in ctx.checkpoints() if c.step >= NAN_AT and c.valid and c.created_unix_s < rolled_at]
+    checks = [
+        Check("rolled_back_once", len(events) == 1 and events[0]["kind"] == "rollback"
+              and f"nan at step {NAN_AT} on rank 1" in str(events[0]["message"]),
+              f"rollback events {[str(e['message'])[:160] for e in events]}"),
+        Check("restored_before_the_bad_step", bool(restored) and all(0 <= s < NAN_AT for s in restored)
+              and {int(r["rank"]) for r in starts} == {0, 1},
+              f"the ranks restarted from step(s) {restored} (the NaN at {NAN_AT}, injected {len(fired)} time(s))"),
+        Check("no_suspect_offered", target >= 0 and not stale,
+            f"restore target now step {target}; valid steps >= {NAN_AT} saved before the rollback: {stale}"),
+        Check("rerun_clean", bool(later) and all(math.isfinite(float(r["loss"])) for r in later),
+              f"{len(later)} step(s) past {NAN_AT + 5} after the rollback, every loss finite"),
+        Check("restart_budget_untouched", info.restarts == 0, f"{info.restarts} restart(s), round {info.round}"),
+    ]
+    said = str(events[0]["message"])[:200] if events else "no rollback"
+    return Outcome(b, frozenset(), f"NaN at step {NAN_AT} on rank 1; {said}", checks, rollback_expected=True)
+
+
 SCENARIOS = [
     Scenario("slow-node", "a node throttled to a quarter of a CPU: found as a straggler, handed over to the spare "
              "with no step lost, the step rate back", slow_node, SLOW),
     Scenario("uniform-slowdown", "every node throttled alike: no straggler, nobody replaced", uniform_slowdown, SLOW),
+    Scenario("nan-step", "one rank's loss NaN at step N: rolled back once to a step before N, the later checkpoints "
+             "suspect, the rerun clean", nan_step, NAN),
 ]

@@ -25,7 +25,7 @@ MAX_PENDING = 64
 
 class AnomalyLog:
     def __init__(self, state: LeaderState, counter: Counter,
-                 on_new: Callable[[str, cluster_pb2.StepAnomaly], None] | None = None) -> None:
+                 on_new: Callable[[str, cluster_pb2.Progress], None] | None = None) -> None:
         self.state = state
         self.counter = counter
         self.on_new = on_new  # each new anomaly once (the rollback keeper)
@@ -41,7 +41,7 @@ class AnomalyLog:
             return
         self._seen[node_id] = key
         if self.on_new is not None:
-            self.on_new(node_id, a)
+            self.on_new(node_id, progress)
         self.counter.labels(a.kind if a.kind in ("nan", "loss_spike", "grad_norm_jump") else "other").inc()
         text = f"{node_id}: {a.reason or f'{a.kind} at step {a.step} (rank {a.rank})'}"[:400]
         log.warning("step anomaly on %s", text)

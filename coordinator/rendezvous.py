@@ -50,7 +50,6 @@ class JobState:
     waiting: str = ""  # why the job waits for its world to be whole again ("" when it does not)
     rollbacks: int = 0  # rollbacks past a step anomaly (coordinator/rollback_rules.py), not restarts
     last_rollback: str = ""  # the key of the anomaly the last rollback answered (Seen.key)
-    rolled_back_to: int = -1  # the step the last rollback restored
     skip_until: int = -1  # with skip_batches: the restored job skips the data of the steps up to this one
 
 
@@ -150,12 +149,12 @@ def stall_restart(now_unix: float, state: JobState, reason: str) -> JobState:
     return _advance(now_unix, state, state.epoch, state.members, reason, failure=True)
 
 
-def rolled_back(now_unix: float, state: JobState, key: str, target: int, reason: str,
-                skip_until: int = -1) -> JobState:
-    """A rollback past a bad step: a new round of the same members (every rank restarts from
-    ``target``), counted against the rollback budget, not the restart budget."""
+def rolled_back(now_unix: float, state: JobState, key: str, reason: str, skip_until: int = -1) -> JobState:
+    """A rollback past a bad step: a new round of the same members (every rank restarts from the
+    newest checkpoint not marked suspect), counted against the rollback budget, not the restart
+    budget."""
     new = _advance(now_unix, state, state.epoch, state.members, reason, failure=False)
-    return replace(new, rollbacks=state.rollbacks + 1, last_rollback=key, rolled_back_to=target, skip_until=skip_until)
+    return replace(new, rollbacks=state.rollbacks + 1, last_rollback=key, skip_until=skip_until)
 
 
 def set_store(state: JobState, round_: int, node_id: str, address: str) -> tuple[JobState, str]:

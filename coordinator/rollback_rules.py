@@ -13,8 +13,8 @@ leader answers a step anomaly (agent/step_anomalies.py, one report per incident)
   and answers the earliest step, so that one rollback, not two, goes before the fault.
 * **Never forward into the fault**: the target is the newest restorable checkpoint saved *before* the
   anomaly's step; every checkpoint at or after it is marked suspect (kept in the catalog, never
-  offered). When the anomaly is the very first step after a rollback's restore, the restored state
-  itself produced it: the target goes before that one too.
+  offered). When the anomaly is the very first step after the node's ranks restored a step, the
+  restored state itself produced it: the target goes before that one too.
 * **A budget stops a loop**: after ``max_rollbacks`` rollbacks of a job (a fault that comes back
   every time) the next anomaly closes the job with the reason instead (as the restart budget does).
 """
@@ -57,6 +57,7 @@ class Seen:
     round: int | None  # the job round the rank trained in (None: an agent that does not say)
     reason: str
     at: float  # when the leader received it (monotonic seconds)
+    restored: int | None = None  # the step the node's ranks restored when this world started (None: not said)
 
     @property
     def key(self) -> str:
@@ -67,7 +68,8 @@ class Seen:
 class RollbackPlan:
     job: str
     anomaly: Seen
-    target: int  # the step the job restores (-1 with close)
+    target: int  # the newest step restorable before the bad one now (-1 with close); the ranks ask again
+    # when they restart, and may find a newer one still before it (a memory snapshot's buddy copy landed)
     suspects: tuple[int, ...]  # checkpoints at or after the first bad step, to mark suspect
     first_bad: int  # the first step whose checkpoint is suspect
     close: bool  # the rollback budget is spent: close the job instead
@@ -99,8 +101,8 @@ def rollback_due(pending: Sequence[Seen], job: JobState, records: Iterable[Check
                       if old else "this anomaly was already rolled back")
     first = min(current, key=lambda s: (s.step, s.rank))
     first_bad = first.step
-    if job.rolled_back_to >= 0 and first.step == job.rolled_back_to + 1:
-        first_bad = job.rolled_back_to  # the restored state produced the bad step at once: it is bad too
+    if first.restored is not None and first.restored >= 0 and first.step == first.restored + 1:
+        first_bad = first.restored  # the restored state produced the bad step at once: it is bad too
     what = f"{first.kind} at step {first.step} on rank {first.rank} ({first.node_id})"
     if job.rollbacks >= config.max_rollbacks:
         return RollbackPlan(job.job, first, -1, (), first_bad, True,
@@ -113,14 +115,15 @@ def rollback_due(pending: Sequence[Seen], job: JobState, records: Iterable[Check
     target = before[-1]
     suspects = tuple(sorted(r.step for r in records if r.step >= first_bad and not r.invalid_reason))
     return RollbackPlan(job.job, first, target, suspects, first_bad, False,
-                        f"{what}: rolled back to step {target} (rollback {job.rollbacks + 1} of "
-                        f"{config.max_rollbacks}); steps {list(suspects)[:10] or 'none'} suspect"), "rollback"
+                        f"{what}: rolled back before step {first_bad} (restorable now: step {target}; rollback "
+                        f"{job.rollbacks + 1} of {config.max_rollbacks}); steps {list(suspects)[:10] or 'none'} "
+                        "suspect"), "rollback"
 
 
 def suspect_reason(plan: RollbackPlan) -> str:
     a = plan.anomaly
     return (f"{SUSPECT}saved at or after step {plan.first_bad}, where {a.kind} on rank {a.rank} ({a.node_id}) "
-            f"began; job rolled back to step {plan.target}")[:500]
+            f"began; the job was rolled back before it")[:500]
 
 
 __all__ = ["ALERT", "ROLLBACK", "SUSPECT", "RollbackConfig", "RollbackPlan", "Seen", "due", "job_of",

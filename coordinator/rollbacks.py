@@ -42,8 +42,10 @@ class RollbackKeeper:
         self.pending: dict[str, list[rules.Seen]] = {}  # job -> anomalies gathered for it
         self.decision = ""  # the newest decision and why (ftctl status)
 
-    def observe(self, node_id: str, anomaly: cluster_pb2.StepAnomaly) -> None:
-        """A new anomaly (the anomaly log passes each once); kept for the job whose round has the node."""
+    def observe(self, node_id: str, progress: cluster_pb2.Progress) -> None:
+        """A new anomaly in ``progress`` (the anomaly log passes each once); kept for the job whose
+        round has the node."""
+        anomaly = progress.anomaly
         view = self.state.view
         if self.config.action != rules.ROLLBACK or view is None:
             return
@@ -51,7 +53,8 @@ class RollbackKeeper:
         if job is None:
             return
         seen = rules.Seen(node_id, anomaly.step, anomaly.rank, anomaly.kind,
-                          anomaly.round if anomaly.HasField("round") else None, anomaly.reason, self.clock())
+                          anomaly.round if anomaly.HasField("round") else None, anomaly.reason, self.clock(),
+                          progress.restored.step if progress.HasField("restored") else None)
         got = self.pending.setdefault(job.job, [])
         if len(got) < MAX_PENDING:
             got.append(seen)
@@ -104,7 +107,7 @@ class RollbackKeeper:
             marked: list[catalog_rules.CheckpointRecord] = []
         else:
             skip = plan.first_bad if self.config.skip_batches else -1
-            after = job_rules.rolled_back(self.wall(), job, plan.anomaly.key, plan.target, plan.reason, skip)
+            after = job_rules.rolled_back(self.wall(), job, plan.anomaly.key, plan.reason, skip)
             why = rules.suspect_reason(plan)
             marked = [replace(r, invalid_reason=why) for r in records if r.step in set(plan.suspects)]
         puts = {job_rules.key(after.job): job_rules.encode(after)}

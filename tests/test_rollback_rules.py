@@ -29,8 +29,8 @@ def record(step: int, invalid: str = "", location: str = "node-0") -> Checkpoint
 
 
 def seen(step: int, rank: int = 1, round_: int | None = 0, node: str = "node-1", at: float = 0.0,
-         kind: str = "nan") -> Seen:
-    return Seen(node, step, rank, kind, round_, f"rank {rank} step {step}: loss is nan", at)
+         kind: str = "nan", restored: int | None = None) -> Seen:
+    return Seen(node, step, rank, kind, round_, f"rank {rank} step {step}: loss is nan", at, restored)
 
 
 JOB_STATE = job_rules.JobState(JOB, round=0, epoch=1, members=("node-0", "node-1"))
@@ -41,7 +41,7 @@ def test_the_target_is_the_newest_restorable_step_before_the_anomaly_and_later_s
     plan, why = rollback_due([seen(35)], JOB_STATE, records, ON)
     assert why == "rollback" and plan is not None and not plan.close
     assert plan.target == 30 and plan.suspects == (40,) and plan.first_bad == 35
-    assert "rolled back to step 30" in plan.reason and "rollback 1 of 2" in plan.reason
+    assert "rolled back before step 35 (restorable now: step 30" in plan.reason and "rollback 1 of 2" in plan.reason
     assert suspect_reason(plan).startswith(SUSPECT) and "step 35" in suspect_reason(plan)
 
 
@@ -67,32 +67,34 @@ def test_gathering_waits_gather_s_after_the_first_report() -> None:
 
 def test_an_old_rounds_report_and_an_answered_one_change_nothing() -> None:
     records = [record(s) for s in (10, 20, 30)]
-    after = job_rules.rolled_back(0.0, JOB_STATE, seen(25).key, 20, "rolled back")
+    after = job_rules.rolled_back(0.0, JOB_STATE, seen(25).key, "rolled back")
     assert after.round == 1 and after.rollbacks == 1 and after.restarts == 0
     plan, why = rollback_due([seen(25, round_=0)], after, records, ON)
     assert plan is None and "round(s) 0, which job train has left" in why
     # An agent that does not say its round: the key of the answered report still matches.
-    no_round = job_rules.rolled_back(0.0, JOB_STATE, seen(25, round_=None).key, 20, "rolled back")
+    no_round = job_rules.rolled_back(0.0, JOB_STATE, seen(25, round_=None).key, "rolled back")
     plan, why = rollback_due([seen(25, round_=None)], no_round, records, ON)
     assert plan is None and why == "this anomaly was already rolled back"
 
 
 def test_the_same_fault_again_in_the_new_round_is_a_new_incident() -> None:
-    after = job_rules.rolled_back(0.0, JOB_STATE, seen(25).key, 20, "rolled back")
+    after = job_rules.rolled_back(0.0, JOB_STATE, seen(25).key, "rolled back")
     plan, _ = rollback_due([seen(25, round_=1)], after, [record(s) for s in (10, 20)], ON)
     assert plan is not None and plan.target == 20  # 25 is bad again, not 20: the rerun from 20 was clean to 24
 
 
 def test_a_restored_state_that_fails_at_once_is_suspect_too() -> None:
-    after = job_rules.rolled_back(0.0, JOB_STATE, seen(25).key, 20, "rolled back")
-    plan, _ = rollback_due([seen(21, round_=1)], after, [record(s) for s in (10, 20)], ON)
+    after = job_rules.rolled_back(0.0, JOB_STATE, seen(25).key, "rolled back")
+    plan, _ = rollback_due([seen(22, round_=1, restored=20)], after, [record(s) for s in (10, 20)], ON)
+    assert plan is not None and plan.first_bad == 22 and plan.target == 20, "a later step: the restore was fine"
+    plan, _ = rollback_due([seen(21, round_=1, restored=20)], after, [record(s) for s in (10, 20)], ON)
     assert plan is not None and plan.first_bad == 20 and plan.target == 10 and plan.suspects == (20,)
 
 
 def test_the_budget_closes_the_job_instead_of_a_loop() -> None:
     state = JOB_STATE
     for n in range(2):
-        state = job_rules.rolled_back(0.0, state, seen(25, round_=n).key, 20, "rolled back")
+        state = job_rules.rolled_back(0.0, state, seen(25, round_=n).key, "rolled back")
     plan, why = rollback_due([seen(25, round_=2)], state, [record(s) for s in (10, 20)], ON)
     assert why == "close" and plan is not None and plan.close and plan.suspects == ()
     assert "rollback budget of job train exhausted: 2 rollbacks" in plan.reason
