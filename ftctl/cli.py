@@ -35,7 +35,7 @@ from ftd.identity import DEFAULT_OPERATOR, IdentityFiles, PkiError
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
-from . import certs, checkpoints, demo, drill, health, isolated, localcluster, render, report
+from . import certs, checkpoints, demo, drill, health, isolated, localcluster, nan_demo, render, report
 from .json_shapes import node_dict, status_dict
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
@@ -149,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--straggler", action="store_true",
                       help="make a node slow instead of killing it (its processes held to a quarter of a CPU): the "
                            "coordinator's straggler watch hands its rank over to the spare with no step lost")
+    demo.add_argument("--nan", action="store_true",
+                      help="make one rank's loss NaN at a step instead (once): the coordinator rolls the job back "
+                           "to the newest checkpoint before it and the rerun is clean")
     demo.add_argument("--json", action="store_true")
     _isolate_options(demo)
 
@@ -342,6 +345,12 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             finally:
                 if args.workdir is None and not args.keep:
                     shutil.rmtree(work, ignore_errors=True)
+        if args.nan:
+            outcome = nan_demo.run(args.workdir, args.nodes, args.keep, say=say, isolate=args.isolate,
+                                   shared_hdd=not args.isolate or args.shared_hdd)
+            if args.json:
+                _print_json(outcome)
+            return 0 if outcome["passed"] else 1
         outcome = demo.run_demo(args.workdir, args.nodes, args.spares, args.keep, say=say,
                                 s3_endpoint=args.s3_endpoint, preempt=args.preempt, isolate=args.isolate,
                                 shared_hdd=not args.isolate or args.shared_hdd, s3=args.s3,

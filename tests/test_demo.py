@@ -82,3 +82,18 @@ def test_demo_straggler_replaces_the_slow_node_without_losing_a_step(tmp_path: P
     assert detected and "median compute" in detected[0], out["decisions"]
     assert any(d.startswith(f"drain_requested: {slow}: straggler: score") for d in out["decisions"])
     assert not any(d.startswith(f"straggler_detected: {other}") for d in out["decisions"]), "no false alarm"
+
+
+def test_demo_nan_rolls_the_bad_step_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ftctl demo --nan``: one rank's loss NaN at a step (once); the coordinator rolls the job back to a
+    checkpoint before it, once, the rerun is clean, and no restart is counted."""
+    rc = main(["demo", "--nan", "--json", "--workdir", str(tmp_path / "demo")])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["passed"], out.get("decisions")
+    assert out["mode"] == "nan" and out["restarts"] == 0
+    assert out["restored_steps"] and all(0 <= s < out["nan_step"] for s in out["restored_steps"])
+    rollbacks = [d for d in out["decisions"] if d.startswith("rollback:")]
+    assert len(rollbacks) == 1 and f"rolled back before step {out['nan_step']}" in rollbacks[0], rollbacks
+    assert all(s >= out["nan_step"] for s in out["suspect_steps"]), "only steps from the bad one on are suspect"
+    assert any(d.startswith("step_anomaly:") and f"step {out['nan_step']}: loss is nan" in d for d in out["decisions"])
+    assert any("rolled back to" in what for _, what in out["timeline"])
