@@ -10,6 +10,7 @@ import os
 import shlex
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -52,6 +53,8 @@ from .warm_supervisor import WarmTrainingSupervisor
 log = logging.getLogger("ftd.agent")
 LANDING_PLAN_S = 5.0  # how often a spare sizes its landing reserve again from the catalog
 MAX_SAVES_IN_FLIGHT = 64  # local ranks saving at once; more is a misbehaving client
+MAX_FINGERPRINT_RANKS = 64  # local ranks whose replica fingerprints ride in the heartbeats
+FINGERPRINTS_PER_RANK = 4  # x ranks: within the coordinator's MAX_FINGERPRINTS per heartbeat
 
 
 def bind_private_socket(server: grpc.Server, path: Path) -> None:
@@ -88,6 +91,8 @@ class AgentDaemon:
         self._progress_lock = threading.Lock()
         self._timings: dict[int, cluster_pb2.StepTiming] = {}  # each local rank's latest step timing
         self._anomalies = NodeJudge(settings.anomalies)  # each local rank's recent losses and gradient norms
+        # rank -> its newest replica fingerprints (a few: a heartbeat may come after several fingerprint steps)
+        self._fingerprints: dict[int, deque[cluster_pb2.Fingerprint]] = {}
         self._stop = threading.Event()
         # Each rank's durable hop (CommitShard from memory: a copy of its shard) holds a worker while it
         # runs: room for a node's ranks doing it at once, and the other calls beside them.
@@ -235,6 +240,14 @@ class AgentDaemon:
             self._judge_anomaly(progress, rank, round_)
             if progress.step < previous:
                 self._timings.clear()  # a new world restarted from an older step: other ranks, maybe
+                self._fingerprints.clear()
+            for mark in progress.fingerprints:  # this rank's own; the newest few per rank ride in the heartbeats
+                if mark.rank in self._fingerprints or len(self._fingerprints) < MAX_FINGERPRINT_RANKS:
+                    kept = self._fingerprints.setdefault(mark.rank, deque(maxlen=FINGERPRINTS_PER_RANK))
+                    if not kept or kept[-1].step < mark.step:
+                        kept.append(mark)
+            del progress.fingerprints[:]
+            progress.fingerprints.extend(m for r in sorted(self._fingerprints) for m in self._fingerprints[r])
             t = progress.timing
             if progress.HasField("timing") and not all(math.isfinite(v) and 0 <= v < 1e6
                                                        for v in (t.compute_s, t.wall_s, t.data_s)):

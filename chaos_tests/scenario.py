@@ -56,6 +56,9 @@ class Shape:
     agent_args: tuple[str, ...] = ()
     coordinator_args: tuple[str, ...] = ()
     train_args: str = ""  # more arguments of the demo job (e.g. "--work 60": GPU-like compute per step)
+    # Replica fingerprints in every scenario: a false disagreement would fence a node (no_false_death)
+    # and roll the job back (no_false_rollback).
+    fingerprint_every: int = 5
     env: tuple[tuple[str, str], ...] = ()  # for every agent and its workers (failpoints)
 
     def hosts(self) -> list[str]:
@@ -137,7 +140,8 @@ class Context:
                    else f"--ckpt-every {shape.persist_every}")
         train = localcluster.TrainOptions(
             cmd=f"-m ftd.training.demo_job --steps 1000000 {cadence} --step-time {shape.step_time_s} --out {out} "
-                f"--finish-file {finish} {shape.train_args}".rstrip(), job=JOB, min_nodes=shape.nodes)
+                f"--finish-file {finish} --fingerprint-every {shape.fingerprint_every} {shape.train_args}".rstrip(),
+            job=JOB, min_nodes=shape.nodes)
         cluster = localcluster.up(workdir / "cluster", shape.nodes, shape.spares, coordinators=shape.coordinators,
                                   racks=shape.racks, timeout_s=timeout_s, train=train, shared_hdd=shape.shared_hdd,
                                   isolate=True, etcd_members=shape.etcd, s3=shape.s3,

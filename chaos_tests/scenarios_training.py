@@ -169,10 +169,74 @@ def nan_step(ctx: Context) -> Outcome:
     return Outcome(b, frozenset(), f"NaN at step {NAN_AT} on rank 1; {said}", checks, rollback_expected=True)
 
 
+FLIP_AT = 70
+FLIP = Shape(nodes=3, spares=1, train_args=f"--bitflip-at {FLIP_AT} --bitflip-rank 1")
+
+
+def bitflip(ctx: Context) -> Outcome:
+    """A failpoint flips one low mantissa bit of a parameter on rank 1 after step N's update (the
+    loss stays plausible). The replica fingerprints (every 5 steps) disagree at N and again at the
+    recheck; the majority names rank 1: its node is fenced, the spare takes the rank, and the new
+    world restores a checkpoint from before the flip; afterwards the replicas agree bit for bit."""
+    b = ctx.baseline()
+
+    def flipped() -> dict[str, Any] | None:
+        return next((r for r in ctx.records() if r.get("event") == "bitflip_injected"), None)
+
+    flip = within(flipped, 60.0, f"the bit flip at step {FLIP_AT}", interval_s=0.3)
+    victim = str(flip["node"]) if flip else ""
+    flip_t = float(flip["t"]) if flip else float("inf")
+
+    def fenced_event() -> list[dict[str, Any]] | None:
+        got = [e for e in ctx.events() if int(e["seq"]) > b.last_seq and e["kind"] == "replica_fenced"]
+        return got or None
+
+    fenced = within(fenced_event, 60.0, "the replica fence", interval_s=0.5) or []
+
+    def restarted() -> list[dict[str, Any]] | None:
+        got = [r for r in ctx.records() if r.get("event") == "start" and float(r["t"]) > flip_t]
+        return got if len({int(r["rank"]) for r in got}) >= len(b.world) else None
+
+    starts = within(restarted, 90.0, "every rank restarted after the fence", interval_s=0.5) or []
+    rerun_at = max((float(r["t"]) for r in starts), default=float("inf"))
+
+    def agreeing_steps() -> dict[int, set[str]] | None:
+        by_step: dict[int, dict[int, str]] = {}
+        for r in ctx.records():
+            if r.get("event") == "step" and float(r["t"]) > rerun_at:
+                by_step.setdefault(int(r["step"]), {})[int(r["rank"])] = str(r["params_crc"])
+        full = {s: set(v.values()) for s, v in by_step.items() if len(v) == len(b.world)}
+        return full if len(full) >= 10 else None
+
+    compared = within(agreeing_steps, 60.0, "10 steps of the new world on every rank", interval_s=0.5) or {}
+    restored = sorted({int(r["restored_step"]) for r in starts})
+    world = ctx.world()
+    mismatches = [e for e in ctx.events() if int(e["seq"]) > b.last_seq and e["kind"] == "fingerprint_mismatch"]
+    checks = [
+        Check("fingerprint_caught", bool(mismatches) and len(fenced) == 1 and fenced[0]["node_id"] == victim,
+              f"mismatch events {[str(e['message'])[:120] for e in mismatches[:2]]}; fenced "
+              f"{[e['node_id'] for e in fenced]} (rank 1 flipped on {victim or 'nobody'})"),
+        Check("suspect_fenced_and_replaced", bool(victim) and victim not in world and len(world) == len(b.world)
+              and any(n in world for n in b.spares),
+              f"world {world} (before {list(b.world)}, spares {list(b.spares)})"),
+        Check("resumed_before_the_flip", bool(restored) and all(0 <= s < FLIP_AT for s in restored),
+              f"the new world restored step(s) {restored} (the flip after step {FLIP_AT}'s update: its checkpoint "
+              "has it)"),
+        Check("replicas_agree_after", bool(compared) and all(len(v) == 1 for v in compared.values()),
+              f"{len(compared)} steps of the new world, parameters identical on every rank: "
+              f"{all(len(v) == 1 for v in compared.values()) if compared else 'not seen'}"),
+    ]
+    said = str(fenced[0]["message"])[:220] if fenced else "nobody fenced"
+    return Outcome(b, frozenset({victim} if victim else ()), f"bit flip on rank 1 ({victim}) after step {FLIP_AT}; "
+                   f"{said}", checks, rollback_expected=True)
+
+
 SCENARIOS = [
     Scenario("slow-node", "a node throttled to a quarter of a CPU: found as a straggler, handed over to the spare "
              "with no step lost, the step rate back", slow_node, SLOW),
     Scenario("uniform-slowdown", "every node throttled alike: no straggler, nobody replaced", uniform_slowdown, SLOW),
     Scenario("nan-step", "one rank's loss NaN at step N: rolled back once to a step before N, the later checkpoints "
              "suspect, the rerun clean", nan_step, NAN),
+    Scenario("bitflip", "a flipped parameter bit on one data-parallel rank: the replica fingerprints catch it, its "
+             "node is fenced, training resumes from before the flip", bitflip, FLIP, timeout_s=300.0),
 ]

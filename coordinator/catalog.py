@@ -81,9 +81,9 @@ class CatalogKeeper:
         self.wall = wall
         self._lock = asyncio.Lock()
         self._valid_at: dict[tuple[str, int], float] = {}  # when a step became valid, on this leader
-        # (job, the saving round) -> the first step not to record: a step anomaly is being rolled back,
+        # (job, the saving epoch and round) -> the first step not to record: a step anomaly is being rolled back,
         # and every checkpoint from it on would be suspect (coordinator/rollbacks.py sets it)
-        self.held: Callable[[str, int | None], int | None] = lambda job, round_: None
+        self.held: Callable[[str, int, int | None], int | None] = lambda job, epoch, round_: None
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -181,7 +181,7 @@ class CatalogKeeper:
             restored = request.restored_step if request.HasField("restored_step") else None
             round_ = request.job_round if request.HasField("job_round") else None
             self._check_round(manifest, round_)
-            held = self.held(manifest.job, round_)
+            held = self.held(manifest.job, manifest.epoch, round_)
             if held is not None and manifest.step >= held:
                 raise errors.CatalogConflict(f"rank {manifest.rank} of job {manifest.job}: step {manifest.step} is not "
                                              f"recorded: the step anomaly at step {held} is being rolled back (every "

@@ -32,6 +32,7 @@ from .catalog import CatalogKeeper
 from .committer import Committer
 from .drains import DrainKeeper
 from .event_log import EventLog
+from .fingerprint_watch import FingerprintWatch
 from .gauges import AlarmWatch, Gauges
 from .guard_metrics import guard_metrics
 from .jobs import JobKeeper
@@ -84,6 +85,9 @@ class Controller:
         self.rollbacks = RollbackKeeper(self.committer, settings.rollback, self.jobs, self.catalog,
                                         self.metrics.rollbacks, clock, wall)
         self.catalog.held = self.rollbacks.held
+        self.rollbacks.wake = self.wake
+        self.fingerprints = FingerprintWatch(self.committer, self.rollbacks, self.metrics.fingerprint_checks,
+                                             settings.fingerprint_confirmations, clock)
         self.anomalies = AnomalyLog(self.committer, self.metrics.step_anomalies, self.rollbacks.observe)
         self.membership.on_progress = self._on_progress
         self.membership.also_unfit = self.stragglers.unfit
@@ -132,6 +136,7 @@ class Controller:
         self.membership.new_term()
         self.stragglers.new_term()
         self.rollbacks.new_term()
+        self.fingerprints.new_term()
         self.metrics.is_leader.set(1)
         set_identity(role="leader", epoch=state.view.world.epoch)
         state.view.etcd_alarms = list(self.alarms.raised)
@@ -239,6 +244,7 @@ class Controller:
             await self.stragglers.tick(self.membership.healthy_spares)
             await self.anomalies.flush()
             await self.rollbacks.tick()
+            await self.fingerprints.tick()
         if self.membership.changed or now - self.gauges.published_at >= 1.0:
             self.gauges.publish()
 
@@ -273,10 +279,12 @@ class Controller:
     def _on_progress(self, node_id: str, progress: cluster_pb2.Progress) -> None:
         self.stragglers.observe(node_id, progress)
         self.anomalies.observe(node_id, progress)
+        self.fingerprints.observe(node_id, progress)
 
     def _round_started(self, restore_step: int) -> None:
         self.membership.round_started(restore_step)
         self.stragglers.round_started()
+        self.fingerprints.round_started()
 
     def nodes(self, request: coordinator_pb2.ListNodesRequest | None = None) -> coordinator_pb2.ListNodesResponse:
         """A page of nodes (the first, of the default size, without a request), with what the straggler

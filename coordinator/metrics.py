@@ -72,6 +72,10 @@ class CoordinatorMetrics:
         self.step_anomalies = Counter("ftd_coordinator_step_anomalies_total",
                                       "Step anomalies the agents reported (NaN/Inf, loss spike, gradient-norm jump), "
                                       "by kind", ["kind"], registry=r)
+        self.fingerprint_checks = Counter("ftd_coordinator_fingerprint_checks_total",
+                                          "Replica fingerprint comparisons that found a disagreement (mismatch) and "
+                                          "confirmed corruptions acted on (fenced: the suspects' nodes; rolled_back: "
+                                          "no majority to blame)", ["outcome"], registry=r)
         self.rollbacks = Counter("ftd_coordinator_rollbacks_total",
                                  "Jobs rolled back past a step anomaly (anomaly_action=rollback), by outcome: "
                                  "rolled_back, or closed (the rollback budget was spent)", ["outcome"], registry=r)

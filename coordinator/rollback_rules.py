@@ -29,6 +29,7 @@ from ftd.checkpoints.catalog import CheckpointRecord
 from .rendezvous import JobState
 
 ALERT, ROLLBACK = "alert", "rollback"
+FINGERPRINT = "fingerprint"  # Seen.kind of a confirmed replica disagreement (coordinator/fingerprints.py)
 SUSPECT = "suspect: "  # how a suspect checkpoint's invalid_reason starts
 
 
@@ -103,7 +104,8 @@ def rollback_due(pending: Sequence[Seen], job: JobState, records: Iterable[Check
     first_bad = first.step
     if first.restored is not None and first.restored >= 0 and first.step == first.restored + 1:
         first_bad = first.restored  # the restored state produced the bad step at once: it is bad too
-    what = f"{first.kind} at step {first.step} on rank {first.rank} ({first.node_id})"
+    what = first.reason if first.kind == FINGERPRINT else f"{first.kind} at step {first.step} on rank {first.rank} " \
+                                                        f"({first.node_id})"
     if job.rollbacks >= config.max_rollbacks:
         return RollbackPlan(job.job, first, -1, (), first_bad, True,
                             f"rollback budget of job {job.job} exhausted: {job.rollbacks} rollbacks "
@@ -126,5 +128,5 @@ def suspect_reason(plan: RollbackPlan) -> str:
             f"began; the job was rolled back before it")[:500]
 
 
-__all__ = ["ALERT", "ROLLBACK", "SUSPECT", "RollbackConfig", "RollbackPlan", "Seen", "due", "job_of",
+__all__ = ["ALERT", "FINGERPRINT", "ROLLBACK", "SUSPECT", "RollbackConfig", "RollbackPlan", "Seen", "due", "job_of",
            "rollback_due", "suspect_reason"]

@@ -40,6 +40,8 @@ class RollbackKeeper:
         self.counter = counter  # ftd_coordinator_rollbacks_total{outcome}
         self.clock, self.wall = clock, wall
         self.pending: dict[str, list[rules.Seen]] = {}  # job -> anomalies gathered for it
+        self.fence_holds: dict[str, tuple[int, int]] = {}  # job -> (first suspect step, the world epoch fenced in)
+        self.wake: Callable[[], None] = lambda: None  # the reconciliation tick, now (a fence to act on)
         self.decision = ""  # the newest decision and why (ftctl status)
 
     def observe(self, node_id: str, progress: cluster_pb2.Progress) -> None:
@@ -59,46 +61,104 @@ class RollbackKeeper:
         if len(got) < MAX_PENDING:
             got.append(seen)
 
-    def held(self, job: str, round_: int | None) -> int | None:
-        """The first step of ``job`` whose checkpoints are not recorded now (a shard saved in round
-        ``round_``): the earliest anomaly gathered for a rollback, in that round or one not known."""
+    def held(self, job: str, epoch: int, round_: int | None) -> int | None:
+        """The first step of ``job`` whose checkpoints are not recorded now (a shard saved in ``epoch``
+        and round ``round_``): the earliest anomaly gathered for a rollback, in that round or one not
+        known; or, after a corruption's fence, the first suspect step until the world changed."""
         steps = [s.step for s in self.pending.get(job, ()) if s.round is None or round_ is None or s.round == round_]
+        fence = self.fence_holds.get(job)
+        if fence is not None and fence[1] == epoch:
+            steps.append(fence[0])
         return min(steps, default=None)
+
+    async def act_on_corruption(self, job_name: str, seen: rules.Seen, nodes: tuple[str, ...]) -> str:
+        """A confirmed silent data corruption (coordinator/fingerprints.py): with a majority, the
+        suspects' nodes are fenced (the spares take their ranks, the new world restores a checkpoint
+        before ``seen.step``, the later ones marked suspect in the same transaction); without one,
+        a plain rollback. Returns "acted", "declined" (the policy, the budget, no checkpoint) or
+        "retry" (etcd unreachable)."""
+        if not nodes:  # nobody to blame: a plain rollback (a new round of the same members)
+            self.pending.setdefault(job_name, []).append(seen)
+            return await self._answer(job_name)
+        async with self.catalog.lock, self.jobs.lock:
+            view = self.state.require_leader()
+            job = view.jobs.get(job_name)
+            if job is None:
+                return "declined"
+            records = [r for (j, _), r in view.catalog.items() if j == job_name]
+            plan, why = rules.rollback_due([seen], job, records, self.config, self.catalog.unreachable(job_name))
+            if plan is None:
+                self.decision = f"{job_name}: corruption on {', '.join(nodes)} not acted on: {why}"
+                log.warning("job %s", self.decision)
+                return "declined"
+            try:
+                if plan.close:
+                    await self._commit(plan, job, records)
+                    self.decision = f"{job_name}: {plan.reason}"
+                    return "acted"
+                after = replace(job, rollbacks=job.rollbacks + 1, last_rollback=seen.key)
+                why = rules.suspect_reason(plan)
+                marked = [replace(r, invalid_reason=why) for r in records if r.step in set(plan.suspects)]
+                puts = {job_rules.key(after.job): job_rules.encode(after)}
+                for record in marked:
+                    puts.update(catalog_rules.encode(record, []))
+                text = f"{job_name}: fenced {', '.join(nodes)}: {plan.reason}"[:400]
+                await self.state.commit("rollback", events=[("replica_fenced", n, text) for n in nodes], kv_puts=puts)
+            except (errors.StateUnavailable, errors.StateRejected) as exc:
+                self.decision = f"{job_name}: corruption fence pending: {exc}"
+                return "retry"
+            self.catalog.applied(marked)
+            self.jobs.applied(job, after)
+            for node_id in nodes:
+                view.forced_dead[node_id] = seen.reason[:300]  # "silent data corruption: ..."
+            self.fence_holds[job_name] = (plan.first_bad, view.world.epoch)
+            self.decision = text
+            self.counter.labels("rolled_back").inc()
+            log.warning("job %s", text)
+            self.wake()
+            return "acted"
 
     def new_term(self) -> None:
         self.pending.clear()  # a new leader starts from the reports (the job record says what was answered)
+        self.fence_holds.clear()
 
     async def tick(self) -> None:
+        view = self.state.view
+        for job_name, (_, epoch) in list(self.fence_holds.items()):
+            if view is None or view.world.epoch > epoch:
+                del self.fence_holds[job_name]  # the new world's commits carry the new epoch
         for job_name in list(self.pending):
             if rules.due(self.pending[job_name], self.clock(), self.config):
                 await self._answer(job_name)
 
-    async def _answer(self, job_name: str) -> None:
+    async def _answer(self, job_name: str) -> str:
+        """"acted", "declined" or "retry" (the anomalies stay pending)."""
         async with self.catalog.lock, self.jobs.lock:
             view = self.state.require_leader()
             job = view.jobs.get(job_name)
             pending = self.pending.get(job_name, [])
             if job is None:
                 self.pending.pop(job_name, None)
-                return
+                return "declined"
             records = [r for (j, _), r in view.catalog.items() if j == job_name]
             plan, why = rules.rollback_due(pending, job, records, self.config, self.catalog.unreachable(job_name))
             if plan is None:
                 self.pending.pop(job_name, None)
                 self.decision = f"{job_name}: {why}"
                 log.info("job %s: no rollback: %s", job_name, why)
-                return
+                return "declined"
             try:
                 await self._commit(plan, job, records)
             except errors.NotLeader:
                 self.pending.clear()
-                return
+                return "declined"
             except (errors.StateUnavailable, errors.StateRejected) as exc:
                 self.decision = f"{job_name}: rollback pending: {exc}"
                 log.warning("job %s: rollback not committed (%s); retried on the next tick", job_name, exc)
-                return
+                return "retry"
             self.pending.pop(job_name, None)
             self.decision = f"{job_name}: {plan.reason}"
+            return "acted"
 
     async def _commit(self, plan: rules.RollbackPlan, job: job_rules.JobState,
                       records: list[catalog_rules.CheckpointRecord]) -> None:

@@ -93,6 +93,9 @@ class CoordinatorSettings:
     anomaly_skip_batches: bool = setting(
         False, "a rolled-back job skips the data of the steps up to the anomaly (the Checkpointer moves the data "
                "loader on)")
+    fingerprint_confirmations: int = setting(
+        2, "replica fingerprint comparisons in a row where the same ranks disagree before a silent data corruption "
+           "is acted on (anomaly_action=rollback: their nodes fenced, the job rolled back)", "comparisons")
     fenced_node_retention_s: float = setting(
         86400.0, "a fenced node's record is deleted this long after its fence (0: kept for ever)", "s")
     write_rate_per_node_s: float = setting(
@@ -162,6 +165,8 @@ class CoordinatorSettings:
             self.rollback  # noqa: B018 (validated by constructing it)
         except ValueError as exc:
             require(False, "anomaly_*", str(exc))
+        require(self.fingerprint_confirmations >= 1, "fingerprint_confirmations",
+                f"must be >= 1 (got {self.fingerprint_confirmations})")
         require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                 f"unknown level {self.log_level!r}")
 

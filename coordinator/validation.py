@@ -37,6 +37,7 @@ import unicodedata
 from collections.abc import Mapping
 
 from ftd import rpc
+from ftd.checkpoints.layout import MAX_RANK
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import errors, model
@@ -63,6 +64,8 @@ MAX_REQUEST_BYTES = 1024 * 1024
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 MAX_JOBS = 64  # job records (rendezvous) a cluster keeps; a new job name beyond this is refused
 MAX_CATALOG_JOBS = 256  # distinct jobs in the checkpoint catalog
+MAX_FINGERPRINTS = 256  # replica fingerprints in one heartbeat (one per local rank)
+MAX_RANKS = MAX_RANK + 1  # the world size a fingerprint may name (the checkpoint layout's bound)
 SHARED_LOCATIONS = ("shared", "s3")
 MAX_EVENT_MESSAGE = model.MAX_EVENT_MESSAGE  # kept with the event record, which clips to it
 
@@ -223,6 +226,16 @@ def validate_heartbeat_payload(req: coordinator_pb2.HeartbeatRequest) -> None:
     if req.HasField("progress") and req.progress.HasField("anomaly"):
         check_text("progress.anomaly.reason", req.progress.anomaly.reason)
         check_text("progress.anomaly.kind", req.progress.anomaly.kind)
+    if req.HasField("progress") and req.progress.fingerprints:
+        marks = req.progress.fingerprints
+        if len(marks) > MAX_FINGERPRINTS:
+            raise errors.InvalidArgument("progress.fingerprints", f"{len(marks)} fingerprints; at most "
+                                                                  f"{MAX_FINGERPRINTS} (one per local rank)")
+        for i, m in enumerate(marks):
+            if not (0 <= m.rank < max(m.world_size, 1) <= MAX_RANKS and m.step >= 0):
+                raise errors.InvalidArgument(f"progress.fingerprints[{i}]", f"rank {m.rank} of world size "
+                                             f"{m.world_size} at step {m.step}: needs 0 <= rank < world_size <= "
+                                             f"{MAX_RANKS} and step >= 0")
 
 
 def validate_commit_shard(req: checkpoint_pb2.CommitShardRequest) -> None:

@@ -4,6 +4,7 @@
 """
 
 from .checkpoint import Checkpointer, HandoverTimeout, RestoreError, SaveResult
+from .fingerprint import replica_fingerprint
 from .snapshot import Snapshotter
 
-__all__ = ["Checkpointer", "HandoverTimeout", "RestoreError", "SaveResult", "Snapshotter"]
+__all__ = ["Checkpointer", "HandoverTimeout", "RestoreError", "SaveResult", "Snapshotter", "replica_fingerprint"]

@@ -125,7 +125,8 @@ class AgentLink:
                error: str = "", error_kind: str = "", flops: float | None = None,
                checkpoint: agent_pb2.CheckpointEvent | None = None,
                parked_step: int | None = None,
-               timing: cluster_pb2.StepTiming | None = None) -> agent_pb2.ReportProgressResponse:
+               timing: cluster_pb2.StepTiming | None = None,
+               fingerprint: cluster_pb2.Fingerprint | None = None) -> agent_pb2.ReportProgressResponse:
         """``parked_step`` (with ``step``): this rank stopped there for a planned hand-over (-1: its final
         save failed); the coordinator commits the hand-over once that step is restorable."""
         request = agent_pb2.ReportProgressRequest(rank=rank, checkpoint_error=error, checkpoint_error_kind=error_kind)
@@ -145,6 +146,8 @@ class AgentLink:
                 request.progress.parked_step = parked_step
             if timing is not None:
                 request.progress.timing.CopyFrom(timing)
+            if fingerprint is not None:
+                request.progress.fingerprints.append(fingerprint)
         return self._call("ReportProgress", request, timeout_s=2.0)  # type: ignore[no-any-return]
 
     def close(self) -> None:

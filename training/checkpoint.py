@@ -86,6 +86,7 @@ from typing import Any
 from ftd.checkpoints.catalog import MEMORY
 from ftd.checkpoints.layout import check_job
 from ftd.storage_backends.tiers import Tier, open_tiers
+from ftd.v1 import cluster_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused, tiers_from_proto
 from .cadence import CadencePolicy, CadenceTracker, agree_max
@@ -278,15 +279,21 @@ class Checkpointer:
     # ---- progress and hand-overs -------------------------------------------------------------------
 
     def report_step(self, step: int, loss: float | None = None, grad_norm: float | None = None,
-                    flops: float | None = None) -> None:
+                    flops: float | None = None, fingerprint: int | None = None) -> None:
         """Tells the agent the training made progress (hang detection, dashboards). ``flops``: the
         model FLOPs of this rank's step (about 6 x parameters x tokens for a dense transformer), for
         the MFU gauge. What :attr:`timing` measured since the last report goes with it (the straggler
-        detector). The answer says whether a planned hand-over is pending (:meth:`should_stop`)."""
+        detector). ``fingerprint``: :func:`~ftd.training.replica_fingerprint` of this rank's parameters
+        (a data-parallel job, every N steps, on every rank at the same steps): the coordinator compares
+        the replicas. The answer says whether a planned hand-over is pending (:meth:`should_stop`)."""
         timing = self.timing.take()
+        mark = None if fingerprint is None else cluster_pb2.Fingerprint(
+            step=step, rank=self.rank, world_size=self.world_size, value=fingerprint & ((1 << 64) - 1))
+        if mark is not None and self.agent.round is not None:
+            mark.round = self.agent.round
         with contextlib.suppress(AgentUnavailable, CatalogRefused):
             answer = self.agent.report(self.rank, step=step, loss=loss, grad_norm=grad_norm, flops=flops,
-                                       timing=timing)
+                                       timing=timing, fingerprint=mark)
             self._handover.update(answer.handover, answer.handover_reason)
 
     def should_stop(self, step: int) -> bool:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ftd.training import Checkpointer
+from ftd.training import Checkpointer, replica_fingerprint
 from ftd.training.cadence import CadencePolicy
 
 FEATURES = 32
@@ -118,6 +118,13 @@ def params_crc(model: torch.nn.Module) -> str:
     return f"{int((words * weights).sum()) & 0xFFFFFFFFFFFF:012x}"
 
 
+def flip_a_bit(model: torch.nn.Module) -> None:
+    """Flips bit 4 of the first parameter's first float32 (a relative change near 1e-6: silent)."""
+    first = next(model.parameters())
+    with torch.no_grad():
+        first.view(-1)[:1].view(torch.int32).bitwise_xor_(16)
+
+
 class NoTimer:
     """The plain baseline times nothing (it has no coordinator to tell)."""
 
@@ -152,7 +159,7 @@ class PlainCheckpoints:
         step = complete[-1]
         return step, torch.load(self.root / f"step-{step:09d}-rank-{self.rank % self.world}.pt", weights_only=True)
 
-    def report_step(self, step: int, loss: float | None = None) -> None:
+    def report_step(self, step: int, loss: float | None = None, fingerprint: int | None = None) -> None:
         pass
 
     @property
@@ -204,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
                          "model from there on, as a real NaN does); a transient fault: once per job (a marker file "
                          "in --out), so a rollback's rerun of the step is clean")
     ap.add_argument("--nan-rank", type=int, default=0)
+    ap.add_argument("--fingerprint-every", type=int, default=0,
+                    help="report a replica fingerprint of the parameters every N steps (0: never)")
+    ap.add_argument("--bitflip-at", type=int, default=-1,
+                    help="a fault for tests: a silent data corruption; one low mantissa bit of a parameter of rank "
+                         "--bitflip-rank flips after this step's update (once per job: a marker file in --out); the "
+                         "loss stays plausible, only the replica fingerprints can tell")
+    ap.add_argument("--bitflip-rank", type=int, default=0)
     ap.add_argument("--finish-file", type=Path, default=None,
                     help="a finish line: once this file holds a step number, every rank stops after that step "
                          "(a test or chaos scenario ends the job when it has seen what it needs)")
@@ -265,7 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
-        ckpt.report_step(step, loss=loss.item())
+        if step == args.bitflip_at and rank == args.bitflip_rank and not (args.out / "bitflip-fired").exists():
+            (args.out / "bitflip-fired").write_text(f"{step}\n")
+            flip_a_bit(model)
+            emit(event="bitflip_injected", step=step)
+        due = args.fingerprint_every > 0 and step % args.fingerprint_every == 0
+        ckpt.report_step(step, loss=loss.item(), fingerprint=replica_fingerprint(model.parameters()) if due else None)
         mine = (loss.item(), params_crc(model), rng_crc())
         emit(event="step", step=step, loss=mine[0], params_crc=mine[1], rng=mine[2],
              replay=None if step not in earlier else earlier[step] == mine)

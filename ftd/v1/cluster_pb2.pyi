@@ -260,6 +260,7 @@ class Progress(_message.Message):
     PARKED_STEP_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
     ANOMALY_FIELD_NUMBER: _builtins.int
+    FINGERPRINTS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """-1 when no step was reported yet"""
     reported_unix_s: _builtins.float
@@ -297,6 +298,13 @@ class Progress(_message.Message):
         a loss spike, a gradient-norm jump), kept until a newer one.
         """
 
+    @_builtins.property
+    def fingerprints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Fingerprint]:
+        """Replica fingerprints of a data-parallel job (ftd.training.replica_fingerprint: a checksum of a
+        rank's parameters every N steps; replicas must agree): the newest of each of the node's ranks.
+        The leader compares them across the world (coordinator/fingerprints.py).
+        """
+
     def __init__(
         self,
         *,
@@ -309,10 +317,11 @@ class Progress(_message.Message):
         parked_step: _builtins.int | None = ...,
         timing: Global___StepTiming | None = ...,
         anomaly: Global___StepAnomaly | None = ...,
+        fingerprints: _abc.Iterable[Global___Fingerprint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_anomaly", b"_anomaly", "_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "anomaly", b"anomaly", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "restored", b"restored", "timing", b"timing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_anomaly", b"_anomaly", "_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "anomaly", b"anomaly", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step", "timing", b"timing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_anomaly", b"_anomaly", "_flops", b"_flops", "_grad_norm", b"_grad_norm", "_loss", b"_loss", "_parked_step", b"_parked_step", "_restored", b"_restored", "_timing", b"_timing", "anomaly", b"anomaly", "fingerprints", b"fingerprints", "flops", b"flops", "grad_norm", b"grad_norm", "loss", b"loss", "parked_step", b"parked_step", "reported_unix_s", b"reported_unix_s", "restored", b"restored", "step", b"step", "timing", b"timing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__anomaly: _TypeAlias = _typing.Literal["anomaly"]  # noqa: Y015
     _WhichOneofArgType__anomaly: _TypeAlias = _typing.Literal["_anomaly", b"_anomaly"]  # noqa: Y015
@@ -344,6 +353,41 @@ class Progress(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timing) -> _WhichOneofReturnType__timing | None: ...
 
 Global___Progress: _TypeAlias = Progress  # noqa: Y015
+
+@_typing.final
+class Fingerprint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    rank: _builtins.int
+    world_size: _builtins.int
+    """of the rank's world: a step is judged once every rank reported it"""
+    value: _builtins.int
+    round: _builtins.int
+    """the job round the rank trained in (absent: not known)"""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        value: _builtins.int = ...,
+        round: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_round", b"_round", "round", b"round"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round", b"_round", "rank", b"rank", "round", b"round", "step", b"step", "value", b"value", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__round: _TypeAlias = _typing.Literal["round"]  # noqa: Y015
+    _WhichOneofArgType__round: _TypeAlias = _typing.Literal["_round", b"_round"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__round) -> _WhichOneofReturnType__round | None: ...
+
+Global___Fingerprint: _TypeAlias = Fingerprint  # noqa: Y015
 
 @_typing.final
 class StepAnomaly(_message.Message):
