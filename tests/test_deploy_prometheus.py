@@ -49,6 +49,8 @@ EXPORTED_METRICS = {
     "ftd_coordinator_etcd_alarm",
     "ftd_coordinator_straggler_score",
     "ftd_coordinator_step_anomalies_total",
+    "ftd_coordinator_rollbacks_total",
+    "ftd_coordinator_fingerprint_checks_total",
     # agent (one per node)
     "ftd_agent_connected",
     "ftd_agent_gpu_utilization_ratio",
@@ -102,6 +104,9 @@ EXPECTED_ALERTS = {
     "FtdMfuLow",
     "FtdStraggler",
     "FtdStepAnomaly",
+    "FtdRollback",
+    "FtdRollbackBudgetSpent",
+    "FtdReplicaMismatch",
     "FtdEtcdNoSpace",
     "FtdEtcdAlarm",
     "FtdNetworkLatencyHigh",
