@@ -274,6 +274,7 @@ class Controller:
         status.stragglers.extend(f"{j.node_id}: {j.reason}"[:300] for j in self.stragglers.judged.values()
                                  if j.straggler)
         status.straggler_decision = self.stragglers.decision[:300]
+        status.rollback_decision = (self.rollbacks.decision or self.fingerprints.decision)[:300]
         return status
 
     def _on_progress(self, node_id: str, progress: cluster_pb2.Progress) -> None:

@@ -185,7 +185,8 @@ class ClusterView:
                 message = f"waiting: {waiting}"
             job_fields = {"job": job.job, "job_round": job.round, "job_restarts": job.restarts,
                           "job_max_restarts": job.max_restarts, "job_closed": job.closed, "job_message": message,
-                          "job_round_unix_s": job.round_unix_s, "job_on_no_spare": job.on_no_spare}
+                          "job_round_unix_s": job.round_unix_s, "job_on_no_spare": job.on_no_spare,
+                          "job_rollbacks": job.rollbacks}
         return coordinator_pb2.ClusterStatus(
             **job_fields,  # type: ignore[arg-type]
             leader_id=leader_id, leader_address=leader_address, epoch=world.epoch,

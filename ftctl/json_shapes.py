@@ -20,9 +20,11 @@ def status_dict(status: Any) -> dict[str, Any]:
         "etcd_reachable": status.etcd_reachable, "draining": list(status.draining),
         "problems": list(status.problems), "etcd_alarms": list(status.etcd_alarms),
         "stragglers": list(status.stragglers), "straggler_decision": status.straggler_decision,
+        "rollback_decision": status.rollback_decision,
         "job": {"id": status.job, "round": status.job_round, "restarts": status.job_restarts,
                 "max_restarts": status.job_max_restarts, "closed": status.job_closed, "message": status.job_message,
-                "round_unix_s": status.job_round_unix_s, "on_no_spare": status.job_on_no_spare or "shrink"}
+                "round_unix_s": status.job_round_unix_s, "on_no_spare": status.job_on_no_spare or "shrink",
+                "rollbacks": status.job_rollbacks}
         if status.job else None,
     }
 

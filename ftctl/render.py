@@ -62,11 +62,14 @@ def status(s: dict[str, Any]) -> str:
         lines.append(f"STRAGGLER: {line}")
     if s.get("stragglers") and s.get("straggler_decision"):
         lines.append(f"straggler action: {s['straggler_decision']}")
+    if s.get("rollback_decision"):
+        lines.append(f"bad steps: {s['rollback_decision']}")
     lines.append(f"last change: {s['last_change_reason']}")
     job = s.get("job")
     if job:
         state = "CLOSED" if job["closed"] else f"round {job['round']}"
-        budget = f"{job['restarts']}/{job['max_restarts']} restarts"
+        budget = f"{job['restarts']}/{job['max_restarts']} restarts" + (
+            f", {job['rollbacks']} rollback(s)" if job.get("rollbacks") else "")
         spare = f", on_no_spare={job['on_no_spare']}" if job.get("on_no_spare") else ""
         lines.append(f"job:      {job['id']} {state}, {budget}{spare}: {job['message']}")
     return "\n".join(lines)

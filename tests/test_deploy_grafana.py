@@ -39,7 +39,8 @@ EXPORTED = {
     "ftd_coordinator_tick_duration_seconds", "ftd_coordinator_detector_stalls_total",
     "ftd_coordinator_recovery_seconds", "ftd_coordinator_recovery_phase_seconds", "ftd_coordinator_job_round",
     "ftd_coordinator_straggler_score", "ftd_coordinator_stragglers", "ftd_coordinator_straggler_replacements_total",
-    "ftd_coordinator_step_anomalies_total", "ftd_coordinator_rollbacks_total", "ftd_coordinator_fingerprint_checks_total",
+    "ftd_coordinator_step_anomalies_total", "ftd_coordinator_rollbacks_total",
+    "ftd_coordinator_fingerprint_checks_total",
     "ftd_coordinator_job_restarts", "ftd_coordinator_checkpoint_last_valid_step",
     "ftd_coordinator_checkpoint_last_valid_timestamp_seconds", "ftd_coordinator_checkpoint_interval_seconds",
     # agent

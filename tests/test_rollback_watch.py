@@ -15,6 +15,8 @@ from ftd.coordinator import errors, rendezvous
 from ftd.coordinator.control import Controller
 from ftd.coordinator.settings import CoordinatorSettings
 from ftd.coordinator.store import MemoryStore
+from ftd.ftctl import render
+from ftd.ftctl.json_shapes import status_dict
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
 JOB = "j"
@@ -84,6 +86,10 @@ def test_a_nan_is_gathered_then_rolled_back_in_one_new_round() -> None:
         assert ctl.catalog.held(JOB, view.world.epoch, 1) is None
         events = [e for e in await ctl.event_log.events(100) if e.kind == "rollback"]
         assert len(events) == 1 and "nan at step 65 on rank 1 (a)" in events[0].message
+        status = ctl.status()
+        assert status.job_rollbacks == 1 and "rolled back before step 65" in status.rollback_decision
+        shown = render.status(status_dict(status))
+        assert "1 rollback(s)" in shown and "bad steps: j: nan at step 65" in shown, shown
         # The old round's reports keep coming: nothing more happens; the budget counts rollbacks only.
         beat(ctl, "a", nan_at(65, 1))
         await later(ctl, clock, 3.0)

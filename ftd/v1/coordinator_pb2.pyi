@@ -521,6 +521,8 @@ class ClusterStatus(_message.Message):
     JOB_ON_NO_SPARE_FIELD_NUMBER: _builtins.int
     STRAGGLERS_FIELD_NUMBER: _builtins.int
     STRAGGLER_DECISION_FIELD_NUMBER: _builtins.int
+    JOB_ROLLBACKS_FIELD_NUMBER: _builtins.int
+    ROLLBACK_DECISION_FIELD_NUMBER: _builtins.int
     leader_id: _builtins.str
     leader_address: _builtins.str
     epoch: _builtins.int
@@ -546,6 +548,11 @@ class ClusterStatus(_message.Message):
     job_on_no_spare: _builtins.str
     """the job's "shrink" or "wait" (JoinRoundRequest.on_no_spare)"""
     straggler_decision: _builtins.str
+    job_rollbacks: _builtins.int
+    """Rollbacks past bad steps (coordinator/rollbacks.py): the job's count so far and the newest
+    decision about a step anomaly or a replica disagreement, with its reason ("" when none).
+    """
+    rollback_decision: _builtins.str
     @_builtins.property
     def world(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """node ids by rank"""
@@ -610,10 +617,12 @@ class ClusterStatus(_message.Message):
         job_on_no_spare: _builtins.str = ...,
         stragglers: _abc.Iterable[_builtins.str] | None = ...,
         straggler_decision: _builtins.str = ...,
+        job_rollbacks: _builtins.int = ...,
+        rollback_decision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "draining", b"draining", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_on_no_spare", b"job_on_no_spare", "job_restarts", b"job_restarts", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "problems", b"problems", "spares", b"spares", "straggler_decision", b"straggler_decision", "stragglers", b"stragglers", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "draining", b"draining", "epoch", b"epoch", "etcd_alarms", b"etcd_alarms", "etcd_reachable", b"etcd_reachable", "job", b"job", "job_closed", b"job_closed", "job_max_restarts", b"job_max_restarts", "job_message", b"job_message", "job_on_no_spare", b"job_on_no_spare", "job_restarts", b"job_restarts", "job_rollbacks", b"job_rollbacks", "job_round", b"job_round", "job_round_unix_s", b"job_round_unix_s", "last_change_reason", b"last_change_reason", "last_change_unix_s", b"last_change_unix_s", "leader_address", b"leader_address", "leader_id", b"leader_id", "leader_since_unix_s", b"leader_since_unix_s", "problems", b"problems", "rollback_decision", b"rollback_decision", "spares", b"spares", "straggler_decision", b"straggler_decision", "stragglers", b"stragglers", "suspect", b"suspect", "target_world_size", b"target_world_size", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
