@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--preempt", action="store_true",
                       help="deliver a spot preemption notice instead of killing the node: a planned hand-over")
     demo.add_argument("--straggler", action="store_true",
-                      help="make a node slow instead of killing it (its processes held to a quarter of a CPU): the "
+                      help="make a node slow instead of killing it (its processes held to a fifth of a CPU): the "
                            "coordinator's straggler watch hands its rank over to the spare with no step lost")
     demo.add_argument("--nan", action="store_true",
                       help="make one rank's loss NaN at a step instead (once): the coordinator rolls the job back "

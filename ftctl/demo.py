@@ -25,11 +25,11 @@ from . import drill, localcluster, preempt_drill
 from .json_shapes import status_dict
 from .throttle import CpuThrottle
 
-SLOW_SHARE = 0.25
+SLOW_SHARE = 0.2
 # The coordinator's straggler watch for a demo: replace a straggler, judged on 10 s windows (the
 # defaults, 60 s and 10 s of evidence, are for real jobs).
 STRAGGLER_DEMO_ARGS = ["--straggler-action", "replace", "--straggler-window-s", "10", "--straggler-min-evidence-s",
-                       "4", "--straggler-warmup-s", "5", "--straggler-min-replace-interval-s", "60"]
+                       "4", "--straggler-warmup-s", "20", "--straggler-min-replace-interval-s", "60"]
 
 
 def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool = False, say: Any = print,
@@ -42,7 +42,7 @@ def run_demo(workdir: Path | None, nodes: int = 2, spares: int = 1, keep: bool =
     the new world restored (never negative), not what the catalog offered. With ``preempt`` the
     victim gets a spot preemption notice instead of a SIGKILL: a planned hand-over after a final
     checkpoint. With ``straggler`` the victim is made slow instead (its training processes held to
-    a quarter of a CPU, its heartbeats still green): the coordinator's straggler watch (replace policy,
+    a fifth of a CPU, its heartbeats still green): the coordinator's straggler watch (replace policy,
     short windows for a demo) finds it and hands its rank over to the spare through the same planned
     hand-over, and the decisions and their reasons go into the timeline. ``isolate``: in the network lab
     that ``ftctl demo --isolate`` made under ``workdir/cluster`` (this runs in its ctl namespace)."""

@@ -66,7 +66,7 @@ def test_demo_preempt_hands_over_without_losing_a_step(tmp_path: Path, capsys: p
 
 def test_demo_straggler_replaces_the_slow_node_without_losing_a_step(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """``ftctl demo --straggler``: the last rank's node's workers held to a quarter of a CPU (heartbeats green); the
+    """``ftctl demo --straggler``: the last rank's node's workers held to a fifth of a CPU (heartbeats green); the
     coordinator's straggler watch scores it against the other node, hands its rank to the spare through
     the planned hand-over, and the job resumes at the step it stopped at."""
     rc = main(["demo", "--straggler", "--json", "--report", str(tmp_path / "r.html"),

@@ -286,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         due = args.fingerprint_every > 0 and step % args.fingerprint_every == 0
         ckpt.report_step(step, loss=loss.item(), fingerprint=replica_fingerprint(model.parameters()) if due else None)
         mine = (loss.item(), params_crc(model), rng_crc())
+        timed = getattr(timing, "last", None)
         emit(event="step", step=step, loss=mine[0], params_crc=mine[1], rng=mine[2],
-             replay=None if step not in earlier else earlier[step] == mine)
+             replay=None if step not in earlier else earlier[step] == mine,
+             compute_ms=round(timed.compute_s * 1e3, 2) if timed is not None else None)
         if ckpt.should_stop(step):  # a planned hand-over: a final checkpoint of this very step
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
             emit(event="handover", step=step)

@@ -32,6 +32,7 @@ class StepTimer:
         self._phases = {"compute": 0.0, "data": 0.0}
         self._save = False
         self._last: float | None = None
+        self.last: cluster_pb2.StepTiming | None = None  # what the last take() returned (the job may log it)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -63,8 +64,10 @@ class StepTimer:
         self._phases = {"compute": 0.0, "data": 0.0}
         save, self._save = self._save, False
         if compute <= 0 and data <= 0:
+            self.last = None
             return None
-        return cluster_pb2.StepTiming(compute_s=compute, wall_s=wall, data_s=data, save=save, rank=self.rank)
+        self.last = cluster_pb2.StepTiming(compute_s=compute, wall_s=wall, data_s=data, save=save, rank=self.rank)
+        return self.last
 
 
 __all__ = ["StepTimer"]
