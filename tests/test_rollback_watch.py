@@ -2,12 +2,14 @@
 step on while the other nodes' reports are gathered, then one transaction marks the later checkpoints
 suspect and starts a new round of the same members; replica fingerprints where one rank (of two on
 node "a") disagrees twice fence node "a" with the later checkpoints marked suspect, and nothing
-acts on alert."""
+acts on alert; with skip_batches the restore target names the data window to skip, and the training
+side skips it through the loader's skip_batches."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 from controller_harness import WALL, Clock, cluster, run
 
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef, FileEntry, ShardRecord
@@ -149,3 +151,53 @@ def test_a_replica_that_disagrees_twice_is_fenced_and_the_later_checkpoints_susp
         assert ctl.catalog.held(JOB, view.world.epoch, 1) is None, "the new world commits freely"
 
     run(scenario)
+
+
+def test_skip_batches_tells_the_restore_to_skip_the_window_that_led_to_the_anomaly() -> None:
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        settings = CoordinatorSettings(replica_id="c0", failover_grace_s=5.0, anomaly_action="rollback",
+                                       anomaly_skip_batches=True)
+        ctl = Controller(store, settings, "127.0.0.1:7400", clock=clock, wall=lambda: WALL + clock.now)
+        await cluster(ctl, clock)
+        view = ctl.committer.require_leader()
+        view.jobs[JOB] = rendezvous.JobState(JOB, round=1, epoch=view.world.epoch, members=("a", "b"))
+        for step in (40, 50, 60, 70):
+            view.catalog[(JOB, step)] = record(step)
+        beat(ctl, "a", nan_at(65, 1))
+        await later(ctl, clock, 2.5)
+        await ctl.tick()
+        target = ctl.catalog.restore_target(JOB)
+        assert target.checkpoint.step == 60 and target.skip_until_step == 65
+        assert "the data of steps 61..65 is skipped" in target.reason
+
+    run(scenario)
+
+
+def test_the_rank_state_skips_through_the_loaders_skip_batches() -> None:
+    pytest.importorskip("torch")
+    from ftd.training.rank_state import RankState
+
+    class Loader:
+        def __init__(self) -> None:
+            self.position = 61
+
+        def state_dict(self) -> dict[str, int]:
+            return {"position": self.position}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.position = state["position"]
+
+        def skip_batches(self, steps: int) -> None:
+            self.position += steps
+
+    loader = Loader()
+    assert RankState(loader, rng=False).skip(5) == ["skipped the data of 5 step(s)"] and loader.position == 66
+    assert RankState(loader, rng=False).skip(0) == [] and loader.position == 66
+
+    class Plain(Loader):
+        skip_batches = None  # type: ignore[assignment]
+
+    plain = Plain()
+    assert RankState(plain, rng=False).skip(5) == [] and plain.position == 61, "no skip_batches: nothing skipped"
