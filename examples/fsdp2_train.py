@@ -35,6 +35,7 @@ the data come from the loader's position, dropout from the RNG states the Checkp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -221,6 +222,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="with --no-ftd: torch DCP's own save/load to this shared directory every --persist-every "
                          "steps (the torchrun baseline of bench/recovery.py)")
     ap.add_argument("--out", type=Path, required=True, help="directory of the per-rank step records")
+    ap.add_argument("--nan-at", type=int, default=-1,
+                    help="a fault for tests: rank --nan-rank's loss is NaN at this step, once per job (a marker file "
+                         "in --out); the reduce-scatter spreads it to every shard, a rollback undoes it")
+    ap.add_argument("--nan-rank", type=int, default=0)
     return ap.parse_args(argv)
 
 
@@ -324,14 +329,23 @@ def main(argv: list[str] | None = None, prepared: Prepared | None = None) -> int
                  restore_phases={k: round(v, 4) for k, v in (ckpt.restore_timings if ckpt else {}).items()},
                  buffers_s=round(buffers_s, 4),
                  params=sum(p.numel() for p in model.parameters()), position=data.position)
+    # The straggler detector's evidence: only the optimizer step is this rank's own compute; FSDP's
+    # all-gathers and reduce-scatters run inside forward and backward, where a fast rank waits for a
+    # slow one (docs/operations.md, "Slow nodes").
+    timing = ckpt.timing if ckpt is not None else None
     for step in range(start, args.steps):
         began = time.monotonic()
         x, y = data.next_batch(rank)
         loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        if step == args.nan_at and rank == args.nan_rank and not (args.out / "nan-fired").exists():
+            (args.out / "nan-fired").write_text(f"{step}\n")
+            records.emit(event="nan_injected", step=step)
+            loss = loss * float("nan")
         forward = time.monotonic()
         loss.backward()  # type: ignore[no-untyped-call]
         backward = time.monotonic()
-        optim.step()
+        with timing.compute() if timing is not None else contextlib.nullcontext():
+            optim.step()
         optim.zero_grad(set_to_none=True)
         value = loss.item()
         done = time.monotonic()
