@@ -119,6 +119,7 @@ class SaveLoop:
         self._inflight: Future[SaveResult] | None = None
         self._buffers_free = threading.Event()  # set: no save is reading the snapshot buffers
         self._buffers_free.set()
+        self._holder = 0  # which save (a count) took the buffers last
         # The SSD copy of a memory snapshot (a durable step), and the steps it still reads from memory.
         self._durable_pool = ThreadPoolExecutor(1, thread_name_prefix="ftd-ckpt-durable")
         self._durable: Future[SaveResult] | None = None
@@ -140,6 +141,9 @@ class SaveLoop:
         started = time.perf_counter()
         self._buffers_free.wait()  # the previous save has read its snapshot (its commit may still run)
         self._buffers_free.clear()
+        with self._lock:
+            self._holder += 1  # this save holds the buffers until its shard is written
+            holder = self._holder
         try:
             snap = _Snapshot(self._snap.snapshot(state_dict), self.extra.capture() if self.extra.enabled else None)
         except BaseException:
@@ -150,7 +154,7 @@ class SaveLoop:
         with self._lock:
             task = functools.partial(self._persist_memory, step, snap, blocked, durable) if memory else \
                 functools.partial(self._persist, step, snap, blocked)
-            self._inflight = self._pool.submit(self._releasing, task)
+            self._inflight = self._pool.submit(self._releasing, task, holder)
             return self._inflight
 
     @property
@@ -213,11 +217,17 @@ class SaveLoop:
 
     # ---- the background threads ------------------------------------------------------------------
 
-    def _releasing(self, task: Callable[[], SaveResult]) -> SaveResult:
+    def _releasing(self, task: Callable[[], SaveResult], holder: int) -> SaveResult:
+        """Runs a save's background part; at its end the buffers are free again, unless a newer save
+        holds them already (this one released them once its shard was written, and the training
+        loop's next snapshot is in them now: setting the flag then would let the snapshot after that
+        overwrite them while the newer save is still writing them out — a torn shard)."""
         try:
             return task()
         finally:
-            self._buffers_free.set()
+            with self._lock:
+                if holder == self._holder:
+                    self._buffers_free.set()
             self._quiet_at = time.monotonic()
 
     def _persist(self, step: int, snap: _Snapshot, blocked: float) -> SaveResult:
