@@ -140,12 +140,25 @@ class NodeJudge:
         if self._incidents.get(rank) == found.kind:
             return None  # the same incident goes on: its first step stays the one reported
         self._incidents[rank] = found.kind
+        if progress.HasField("anomaly") and _same_fault(progress.anomaly, found.rank, found.step, round_):
+            return found  # an earlier rank's report of the same fault stays (its first step is the one to act on)
         progress.anomaly.CopyFrom(cluster_pb2.StepAnomaly(step=found.step, rank=found.rank, kind=found.kind,
                                                           value=found.value, baseline=found.baseline,
                                                           reason=found.reason[:300]))
         if round_ is not None:
             progress.anomaly.round = round_
         return found
+
+
+SAME_FAULT_STEPS = 16  # another rank's anomaly this soon after the carried one is the same fault spreading
+
+
+def _same_fault(carried: cluster_pb2.StepAnomaly, rank: int, step: int, round_: int | None) -> bool:
+    """A NaN on one rank reaches the node's other ranks at the next collective, a step later: with
+    several ranks per node the heartbeat must keep carrying the *first* one, or the leader would
+    roll back to a step the fault had already reached."""
+    same_round = (carried.round if carried.HasField("round") else None) == round_
+    return same_round and rank != carried.rank and carried.step <= step <= carried.step + SAME_FAULT_STEPS
 
 
 __all__ = ["GRAD_JUMP", "LOSS_SPIKE", "NAN", "Anomaly", "AnomalyConfig", "NodeJudge", "RankHistory", "judge_step",

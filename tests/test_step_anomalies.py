@@ -106,3 +106,25 @@ def test_the_node_keeps_its_newest_anomaly_and_never_sends_a_nan_figure() -> Non
     again = cluster_pb2.Progress(step=13, loss=float("inf"))
     found = judge.judge(clean, again, rank=1)
     assert found is not None and again.anomaly.step == 13, "a clean step ended the incident: a new one"
+
+
+def test_with_several_ranks_per_node_the_first_ranks_anomaly_stays_carried() -> None:
+    """A NaN on rank 3 at step 25 reaches rank 2 (same node) at step 26: the heartbeat keeps carrying
+    rank 3's step 25, the one a rollback must go before; a fault much later replaces it."""
+    judge = NodeJudge(CONFIG)
+    previous = cluster_pb2.Progress(step=-1)
+    for step in range(12):
+        for rank in (2, 3):
+            report = cluster_pb2.Progress(step=step, loss=1.0)
+            judge.judge(previous, report, rank=rank, round_=4)
+            previous = report
+    first = cluster_pb2.Progress(step=25, loss=float("nan"))
+    assert judge.judge(previous, first, rank=3, round_=4) is not None and first.anomaly.step == 25
+    spread = cluster_pb2.Progress(step=26, loss=float("nan"))
+    found = judge.judge(first, spread, rank=2, round_=4)
+    assert found is not None and found.rank == 2, "rank 2's own anomaly is still judged (and counted)"
+    assert (spread.anomaly.step, spread.anomaly.rank, spread.anomaly.round) == (25, 3, 4)
+    much_later = cluster_pb2.Progress(step=200, loss=float("nan"))
+    judge.judge(spread, cluster_pb2.Progress(step=199, loss=1.0), rank=2, round_=4)
+    judge.judge(spread, much_later, rank=2, round_=4)
+    assert much_later.anomaly.step == 200 and much_later.anomaly.rank == 2
