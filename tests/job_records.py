@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,19 @@ def records(out: Path) -> list[dict[str, Any]]:
             with contextlib.suppress(json.JSONDecodeError):  # a line being written
                 found.append(json.loads(line))
     return sorted(found, key=lambda r: r["t"])
+
+
+def fsdp2_reference(tmp_path: Path, job_args: list[str]) -> dict[tuple[int, int], tuple[float, str]]:
+    """examples/fsdp2_train.py uninterrupted: 4 ranks under plain torchrun, no ftd (``--no-ftd``):
+    (rank, step) -> (loss, params_crc), what a recovered or rolled-back run must equal."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "reference"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(root / "examples" / "fsdp2_train.py"), *job_args, "--no-ftd", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {(r["rank"], r["step"]): (r["loss"], r["params_crc"]) for r in records(out) if r["event"] == "step"}
 
 
 def restore_target_step(client: Any, job: str) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from job_records import records, restore_target_step
+from job_records import fsdp2_reference, records, restore_target_step
 
 from ftd.agent.torchrun_supervisor import descendants
 from ftd.ftctl import cli, localcluster
@@ -95,17 +95,6 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
         localcluster.stop(localcluster.ClusterFile.load(work))
 
 
-def uninterrupted(tmp_path: Path) -> dict[tuple[int, int], tuple[float, str]]:
-    """The same job, 4 ranks under plain torchrun, no ftd: (rank, step) -> (loss, params_crc)."""
-    out = tmp_path / "reference"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(EXAMPLE), *JOB_ARGS, "--no-ftd", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {(r["rank"], r["step"]): (r["loss"], r["params_crc"]) for r in records(out) if r["event"] == "step"}
-
-
 @pytest.mark.etcd
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a cluster of 6 torch workers and 3 standbys, then the reference run: on 2 cores
@@ -178,7 +167,7 @@ def test_ftctl_up_runs_the_fsdp2_example_and_a_killed_node_recovers_exactly(tmp_
               f"restore {s['restore_s']} s from {s['restored_from']}, buffers {s['buffers_s']} s, first step "
               f"{firsts[s['pid']] - s['t']:.3f} s later")
 
-    reference = uninterrupted(tmp_path)
+    reference = fsdp2_reference(tmp_path, JOB_ARGS)
     after = {(r["rank"], r["step"]): (r["loss"], r["params_crc"]) for r in got
              if r["event"] == "step" and r["pid"] in new_pids}
     assert set(after) == {(rank, step) for rank in range(4) for step in range(resumed + 1, STEPS)}

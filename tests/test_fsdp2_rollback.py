@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from job_records import records
+from job_records import fsdp2_reference, records
 
 from ftd.ftctl import localcluster
 from ftd.v1 import coordinator_pb2
@@ -25,16 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "fsdp2_train.py"
 STEPS, NAN_AT = 50, 25
 JOB_ARGS = ["--params", "300K", "--steps", str(STEPS), "--memory-every", "1", "--persist-every", "5"]
-
-
-def uninterrupted(tmp_path: Path) -> dict[tuple[int, int], tuple[float, str]]:
-    out = tmp_path / "reference"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           str(EXAMPLE), *JOB_ARGS, "--no-ftd", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {(r["rank"], r["step"]): (r["loss"], r["params_crc"]) for r in records(out) if r["event"] == "step"}
 
 
 @pytest.mark.etcd
@@ -76,7 +63,7 @@ def test_a_nan_in_an_fsdp2_job_is_rolled_back_and_the_rerun_is_exact(tmp_path: P
              if r["event"] == "step" and r["pid"] in new_pids}
     assert set(after) == {(rank, step) for rank in range(4) for step in range(resumed + 1, STEPS)}
     assert all(math.isfinite(loss) for loss, _ in after.values())
-    reference = uninterrupted(tmp_path)
+    reference = fsdp2_reference(tmp_path, JOB_ARGS)
     mismatched = sorted(k for k, v in after.items() if reference[k] != v)
     assert not mismatched, f"{len(mismatched)} (rank, step) differ from the uninterrupted run, first {mismatched[:5]}"
     print(f"\nrolled back from the NaN at step {NAN_AT} to step {resumed}: {events[0].message}")

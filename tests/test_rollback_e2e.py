@@ -5,12 +5,12 @@ clean and the job finishes with the restart budget untouched."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from job_records import records
 
 from ftd.ftctl import localcluster
 from ftd.v1 import coordinator_pb2
@@ -18,15 +18,6 @@ from ftd.waiting import wait_for
 
 NAN_AT = 30
 STEPS = 90
-
-
-def records(out: Path) -> list[dict[str, Any]]:
-    rows = []
-    for path in sorted(out.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
 
 
 @pytest.mark.timeout(400)

@@ -41,10 +41,11 @@ def beat(ctl: Controller, node_id: str, progress: cluster_pb2.Progress) -> None:
             ctl.membership.on_heartbeat(stream, req)
 
 
-async def started(action: str) -> tuple[Controller, Clock]:
+async def started(action: str, skip_batches: bool = False) -> tuple[Controller, Clock]:
     clock, store = Clock(), MemoryStore()
     store.clock = clock
-    settings = CoordinatorSettings(replica_id="c0", failover_grace_s=5.0, anomaly_action=action)
+    settings = CoordinatorSettings(replica_id="c0", failover_grace_s=5.0, anomaly_action=action,
+                                   anomaly_skip_batches=skip_batches)
     ctl = Controller(store, settings, "127.0.0.1:7400", clock=clock, wall=lambda: WALL + clock.now)
     await cluster(ctl, clock)
     view = ctl.committer.require_leader()
@@ -155,16 +156,7 @@ def test_a_replica_that_disagrees_twice_is_fenced_and_the_later_checkpoints_susp
 
 def test_skip_batches_tells_the_restore_to_skip_the_window_that_led_to_the_anomaly() -> None:
     async def scenario() -> None:
-        clock, store = Clock(), MemoryStore()
-        store.clock = clock
-        settings = CoordinatorSettings(replica_id="c0", failover_grace_s=5.0, anomaly_action="rollback",
-                                       anomaly_skip_batches=True)
-        ctl = Controller(store, settings, "127.0.0.1:7400", clock=clock, wall=lambda: WALL + clock.now)
-        await cluster(ctl, clock)
-        view = ctl.committer.require_leader()
-        view.jobs[JOB] = rendezvous.JobState(JOB, round=1, epoch=view.world.epoch, members=("a", "b"))
-        for step in (40, 50, 60, 70):
-            view.catalog[(JOB, step)] = record(step)
+        ctl, clock = await started("rollback", skip_batches=True)
         beat(ctl, "a", nan_at(65, 1))
         await later(ctl, clock, 2.5)
         await ctl.tick()
