@@ -61,6 +61,16 @@ def hb(ctl: Controller, node_id: str, inc: str = "i1") -> None:
         ctl.membership.on_heartbeat(stream, req)
 
 
+def send(ctl: Controller, req: coordinator_pb2.HeartbeatRequest) -> None:
+    """One heartbeat on the node's stream (opened by the first); a standby's NotLeader is ignored."""
+    stream = ctl.membership.streams.get(req.node_id)
+    with contextlib.suppress(errors.NotLeader):
+        if stream is None:
+            ctl.membership.open_stream(req)
+        else:
+            ctl.membership.on_heartbeat(stream, req)
+
+
 async def step(ctl: Controller, clock: Clock, beats: tuple[str, ...] = (), n: int = 1) -> None:
     """Moves time by ``n`` ticks of 0.1 s: heartbeats from ``beats``, the leader's keep-alive once a
     second, one detection tick each."""

@@ -7,13 +7,11 @@ side skips it through the loader's skip_batches."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-from controller_harness import WALL, Clock, cluster, run
+from controller_harness import WALL, Clock, cluster, run, send
 
 from ftd.checkpoints.catalog import CheckpointRecord, CopyRef, FileEntry, ShardRecord
-from ftd.coordinator import errors, rendezvous
+from ftd.coordinator import rendezvous
 from ftd.coordinator.control import Controller
 from ftd.coordinator.settings import CoordinatorSettings
 from ftd.coordinator.store import MemoryStore
@@ -33,12 +31,7 @@ def record(step: int) -> CheckpointRecord:
 
 def beat(ctl: Controller, node_id: str, progress: cluster_pb2.Progress) -> None:
     req = coordinator_pb2.HeartbeatRequest(node_id=node_id, incarnation="i1", seq=1, progress=progress)
-    stream = ctl.membership.streams.get(node_id)
-    with contextlib.suppress(errors.NotLeader):
-        if stream is None:
-            ctl.membership.open_stream(req)
-        else:
-            ctl.membership.on_heartbeat(stream, req)
+    send(ctl, req)
 
 
 async def started(action: str, skip_batches: bool = False) -> tuple[Controller, Clock]:

@@ -5,11 +5,9 @@ until a later health check passes. The anomaly log: one event per anomaly an age
 
 from __future__ import annotations
 
-import contextlib
+from controller_harness import WALL, Clock, cluster, run, send
 
-from controller_harness import WALL, Clock, cluster, run
-
-from ftd.coordinator import errors, rendezvous
+from ftd.coordinator import rendezvous
 from ftd.coordinator.control import Controller
 from ftd.coordinator.settings import CoordinatorSettings
 from ftd.coordinator.store import MemoryStore
@@ -25,12 +23,7 @@ def beat(ctl: Controller, node_id: str, step: int | None = None, healthy_at: flo
             compute_s=COMPUTE[node_id], wall_s=0.5)))
     if healthy_at is not None:
         req.health.verdict.CopyFrom(cluster_pb2.HealthVerdict(healthy=True, checked_unix_s=healthy_at))
-    stream = ctl.membership.streams.get(node_id)
-    with contextlib.suppress(errors.NotLeader):
-        if stream is None:
-            ctl.membership.open_stream(req)
-        else:
-            ctl.membership.on_heartbeat(stream, req)
+    send(ctl, req)
 
 
 def test_a_slow_node_is_scored_reported_and_handed_over_once() -> None:
