@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ from ftd.logs import set_identity
 from ftd.throttle import LogThrottle
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import errors, rate_limits
+from . import errors, rate_limits, validation
 from .anomaly_log import AnomalyLog
 from .catalog import CatalogKeeper
 from .committer import Committer
@@ -34,6 +35,7 @@ from .drains import DrainKeeper
 from .event_log import EventLog
 from .fingerprint_watch import FingerprintWatch
 from .gauges import AlarmWatch, Gauges
+from .goodput_watch import GoodputWatch, goodput_proto
 from .guard_metrics import guard_metrics
 from .jobs import JobKeeper
 from .membership import Membership
@@ -90,6 +92,10 @@ class Controller:
                                              settings.fingerprint_confirmations, clock)
         self.anomalies = AnomalyLog(self.committer, self.metrics.step_anomalies, self.rollbacks.observe)
         self.membership.on_progress = self._on_progress
+        self.goodput = GoodputWatch(self.committer, wall)
+        self.membership.on_failure = self.goodput.failure
+        self.jobs.on_round = self.goodput.round_started
+        self.metrics.registry.register(self.goodput.collector())
         self.membership.also_unfit = self.stragglers.unfit
         self.gauges = Gauges(self.committer, self.membership, self.catalog, self.metrics, self.security, clock)
         self.alarms = AlarmWatch(store, self.calls, self.committer, self.security)
@@ -137,6 +143,7 @@ class Controller:
         self.stragglers.new_term()
         self.rollbacks.new_term()
         self.fingerprints.new_term()
+        self.goodput.new_term()
         self.metrics.is_leader.set(1)
         set_identity(role="leader", epoch=state.view.world.epoch)
         state.view.etcd_alarms = list(self.alarms.raised)
@@ -245,6 +252,7 @@ class Controller:
             await self.anomalies.flush()
             await self.rollbacks.tick()
             await self.fingerprints.tick()
+            await self.goodput.tick()
         if self.membership.changed or now - self.gauges.published_at >= 1.0:
             self.gauges.publish()
 
@@ -281,6 +289,21 @@ class Controller:
         self.stragglers.observe(node_id, progress)
         self.anomalies.observe(node_id, progress)
         self.fingerprints.observe(node_id, progress)
+        self.goodput.observe(node_id, progress)
+
+    def goodput_report(self, request: coordinator_pb2.GetGoodputRequest) -> coordinator_pb2.GoodputReport:
+        """``GetGoodput``: the job's ledger (the current job when none is named) over the window asked."""
+        view = self.committer.require_leader()
+        if not math.isfinite(request.since_s) or request.since_s < 0:
+            raise errors.InvalidArgument("since_s", f"must be a finite number of seconds >= 0, got {request.since_s}")
+        job = request.job
+        if not job:
+            current = view.current_job()
+            if current is None:
+                raise errors.JobNotFound("(current)")
+            job = current.job
+        validation.check_id("job", job)
+        return goodput_proto(self.goodput, job, request.since_s)
 
     def _round_started(self, restore_step: int) -> None:
         self.membership.round_started(restore_step)

@@ -58,6 +58,7 @@ class JobKeeper:
         self.state = state
         self.limiter = limiter or rate_limits.WriteLimiter()
         self.round_started = round_started  # called with the step the new round restores from (-1: none)
+        self.on_round: Callable[[rules.JobState, rules.JobState, int], None] = lambda before, after, step: None
         self.push_all = push_all
         self.wake = wake
         self.wall = wall
@@ -96,7 +97,9 @@ class JobKeeper:
             view.jobs.pop(job, None)
         view.jobs[after.job] = after
         if before is not None and after.round != before.round:
-            self.round_started(view.newest_restorable(after.job))
+            restore_step = view.newest_restorable(after.job)
+            self.round_started(restore_step)
+            self.on_round(before, after, restore_step)
         if before is None or before.round != after.round or before.closed != after.closed:
             log.warning("job %s: round %d (%s)%s", after.job, after.round, after.round_reason,
                         f"; CLOSED: {after.closed_reason}" if after.closed else "")

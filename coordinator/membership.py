@@ -84,6 +84,9 @@ class Membership:
         # Set by the controller: each heartbeat's progress goes to the straggler watch, which also
         # names spares not to promote (replaced as stragglers, no passing health check since).
         self.on_progress: Callable[[str, cluster_pb2.Progress], None] = lambda node_id, progress: None
+        # Set by the controller: each committed failure of a node of the job (cause, node, since: its last
+        # sign of life, unix s; None: not known) goes to the goodput ledger.
+        self.on_failure: Callable[[str, str, float | None], None] = lambda cause, node_id, since: None
         self.also_unfit: Callable[[dict[str, cluster_pb2.HealthVerdict | None]], dict[str, str]] = lambda v: {}
 
     def new_term(self) -> None:
@@ -296,16 +299,23 @@ class Membership:
         except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
             self.changed = True  # publish the gauges now: they show what the leader could not fix
             return
+        in_job = step.world is not None and view.current_job() is not None  # training was interrupted
         for node_id in handed:
             view.drains.pop(node_id, None)
             self.metrics.handovers.inc()
             log.warning("node %s handed over: %s", node_id, view.verdicts[node_id].reason)
+            if in_job:
+                self.on_failure("handed_over", node_id, None)
         for node_id in (n for n in step.dead if n not in planned):
             self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
             self.metrics.nodes_declared_dead.inc()
             log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
-            if step.world is not None and view.current_job() is not None:  # training was interrupted
-                self.recovery.death_committed(self.clock(), view.verdicts[node_id].silent_s, now)
+            if in_job:
+                verdict = view.verdicts[node_id]
+                self.recovery.death_committed(self.clock(), verdict.silent_s, now)
+                hung = verdict.reason.startswith("hung")  # it reported itself: its last step starts the incident
+                self.on_failure("hung" if hung else "node_dead", node_id,
+                                None if hung else self.wall() - verdict.silent_s)
         self.changed = self._peers_stale = True
         if step.world is not None:
             self.metrics.epoch_changes.inc()

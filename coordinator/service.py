@@ -130,6 +130,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.DrainResponse:
         return await self._unary(context, lambda: self.ctl.drains.drain(request))
 
+    async def GetGoodput(self, request: coordinator_pb2.GetGoodputRequest,
+                         context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.GoodputReport:
+        async def get() -> coordinator_pb2.GoodputReport:
+            return self.ctl.goodput_report(request)
+        return await self._unary(context, get)
+
     async def Heartbeat(  # type: ignore[override]  # read/write style, not an async generator
         self, request_iterator: AsyncIterator[coordinator_pb2.HeartbeatRequest],
         context: aio.ServicerContext[Any, Any],

@@ -65,6 +65,7 @@ class ClusterView:
     forced_dead: dict[str, str] = field(default_factory=dict)  # node -> why (a hung node reported itself)
     stalls: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, round) -> nodes stalled
     drains: dict[str, handover_rules.Drain] = field(default_factory=dict)  # pending planned hand-overs
+    goodput: dict[str, bytes] = field(default_factory=dict)  # job -> its persisted ledger (coordinator/goodput.py)
     _rank: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -85,6 +86,8 @@ class ClusterView:
                     view.jobs[state.job] = state
                 except (ValueError, TypeError, KeyError) as exc:
                     view.problems.append(f"job record {key!r} is corrupt: {exc}")
+            elif key.startswith("goodput/"):
+                view.goodput[key.removeprefix("goodput/")] = raw
             elif key.startswith("drains/"):
                 try:
                     drain = handover_rules.decode(raw)

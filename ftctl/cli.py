@@ -35,7 +35,7 @@ from ftd.identity import DEFAULT_OPERATOR, IdentityFiles, PkiError
 from ftd.rpc import rpc_code, rpc_details
 from ftd.v1 import coordinator_pb2
 
-from . import certs, checkpoints, demo, drill, health, isolated, localcluster, nan_demo, render, report
+from . import certs, checkpoints, demo, drill, goodput, health, isolated, localcluster, nan_demo, render, report
 from .json_shapes import node_dict, status_dict
 
 ENV_COORDINATOR = "FTD_COORDINATOR"
@@ -120,6 +120,13 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "events":
             cmd.add_argument("--limit", type=int, default=50)
+
+    gp = sub.add_parser("goodput", help="the job's goodput: productive share of wall time, time lost by cause, "
+                                        "every incident (kind, detection, recovery, steps redone)")
+    gp.add_argument("--job", default="", help="the job (default: the cluster's current job)")
+    gp.add_argument("--since", default="", metavar="DUR", help="only the last DUR (90s, 30m, 1h, 2d); default: since "
+                    "the job's first step")
+    gp.add_argument("--json", action="store_true", help="machine-readable output")
 
     ck = sub.add_parser("checkpoints", help="the checkpoint catalog: list, verify, rollback, migrations")
     cks = ck.add_subparsers(dest="ck_command", required=True)
@@ -388,7 +395,16 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
     try:
         if args.command == "status":
             data = status_dict(client.status())
+            if data["job"]:
+                data["goodput"] = goodput.summary(client, data["job"]["id"])
             _print_json(data) if args.json else print(render.status(data))
+        elif args.command == "goodput":
+            try:
+                since = goodput.parse_duration(args.since) if args.since else 0.0
+            except ValueError as exc:
+                raise UsageError(str(exc)) from exc
+            data = goodput.fetch(client, args.job, since)
+            _print_json(data) if args.json else print(goodput.render(data))
         elif args.command == "nodes":
             nodes = [node_dict(n) for n in client.nodes().nodes]
             _print_json(nodes) if args.json else print(render.nodes(nodes))

@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from . import goodput
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     if sys.stdout.isatty():
@@ -72,6 +74,8 @@ def status(s: dict[str, Any]) -> str:
             f", {job['rollbacks']} rollback(s)" if job.get("rollbacks") else "")
         spare = f", on_no_spare={job['on_no_spare']}" if job.get("on_no_spare") else ""
         lines.append(f"job:      {job['id']} {state}, {budget}{spare}: {job['message']}")
+    if s.get("goodput"):
+        lines.append(f"goodput:  {goodput.one_line(s['goodput'])}")
     return "\n".join(lines)
 
 

@@ -112,6 +112,7 @@ TABLE: dict[str, Policy] = {
     _C + "Rollback": Policy(_OPERATOR, OPERATOR_ONLY),
     _C + "JoinRound": Policy(_NODE_OR_RDZV, NODE_ONLY, "node_id"),
     _C + "GetRound": Policy(READERS, READ),
+    _C + "GetGoodput": Policy(READERS, READ),
     _C + "SetRoundStore": Policy(_NODE_OR_RDZV, NODE_ONLY, "node_id", facts=(ROUND_RANK0_FACT, REGISTERED_HOST)),
     _C + "CloseJob": Policy(_OPERATOR, OPERATOR_ONLY),
     _C + "ReportHang": Policy(_NODE, NODE_ONLY, "node_id", facts=(JOB_MEMBERS,)),

@@ -26,6 +26,193 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class GetGoodputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    SINCE_S_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """"": the cluster's current job"""
+    since_s: _builtins.float
+    """the window: the last since_s seconds; 0 = since the job's first step"""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        since_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "since_s", b"since_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGoodputRequest: _TypeAlias = GetGoodputRequest  # noqa: Y015
+
+@_typing.final
+class GoodputIncident(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STARTED_UNIX_S_FIELD_NUMBER: _builtins.int
+    DECLARED_UNIX_S_FIELD_NUMBER: _builtins.int
+    DETECTION_S_FIELD_NUMBER: _builtins.int
+    RECOVERY_S_FIELD_NUMBER: _builtins.int
+    STEPS_REDONE_FIELD_NUMBER: _builtins.int
+    REDONE_S_FIELD_NUMBER: _builtins.int
+    LOST_S_FIELD_NUMBER: _builtins.int
+    OPEN_FIELD_NUMBER: _builtins.int
+    STEP_BEFORE_FIELD_NUMBER: _builtins.int
+    RESTORED_STEP_FIELD_NUMBER: _builtins.int
+    ALSO_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """node_dead, hung, handed_over, worker_failed, stalled, rolled_back, rescaled, node_lost"""
+    node_id: _builtins.str
+    started_unix_s: _builtins.float
+    """the failure's start (the node's last heartbeat; else the job's last step)"""
+    declared_unix_s: _builtins.float
+    """the leader's decision (the death committed, the round started)"""
+    detection_s: _builtins.float
+    """started -> declared"""
+    recovery_s: _builtins.float
+    """declared -> the first step above the restored one (so far, when open)"""
+    steps_redone: _builtins.int
+    """steps run before the failure that the new world ran again"""
+    redone_s: _builtins.float
+    """steps_redone x the failure-free step time"""
+    lost_s: _builtins.float
+    """detection + recovery + redone"""
+    open: _builtins.bool
+    step_before: _builtins.int
+    """the job's step when it failed"""
+    restored_step: _builtins.int
+    """what the new world restored (-1: nothing)"""
+    @_builtins.property
+    def also(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """failures during the recovery that joined this incident ("kind node")"""
+
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        started_unix_s: _builtins.float = ...,
+        declared_unix_s: _builtins.float = ...,
+        detection_s: _builtins.float = ...,
+        recovery_s: _builtins.float = ...,
+        steps_redone: _builtins.int = ...,
+        redone_s: _builtins.float = ...,
+        lost_s: _builtins.float = ...,
+        open: _builtins.bool = ...,
+        step_before: _builtins.int = ...,
+        restored_step: _builtins.int = ...,
+        also: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["also", b"also", "declared_unix_s", b"declared_unix_s", "detection_s", b"detection_s", "kind", b"kind", "lost_s", b"lost_s", "node_id", b"node_id", "open", b"open", "recovery_s", b"recovery_s", "redone_s", b"redone_s", "restored_step", b"restored_step", "started_unix_s", b"started_unix_s", "step_before", b"step_before", "steps_redone", b"steps_redone"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GoodputIncident: _TypeAlias = GoodputIncident  # noqa: Y015
+
+@_typing.final
+class GoodputReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LostSEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_S_FIELD_NUMBER: _builtins.int
+    NOW_UNIX_S_FIELD_NUMBER: _builtins.int
+    WALL_S_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    STEPS_KEPT_FIELD_NUMBER: _builtins.int
+    STEP_TIME_S_FIELD_NUMBER: _builtins.int
+    PRODUCTIVE_S_FIELD_NUMBER: _builtins.int
+    GOODPUT_RATIO_FIELD_NUMBER: _builtins.int
+    LOST_S_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    STEPS_REDONE_FIELD_NUMBER: _builtins.int
+    INCIDENTS_FIELD_NUMBER: _builtins.int
+    GOODPUT_1H_RATIO_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    since_unix_s: _builtins.float
+    now_unix_s: _builtins.float
+    wall_s: _builtins.float
+    step: _builtins.int
+    steps_kept: _builtins.int
+    step_time_s: _builtins.float
+    """the failure-free step time: median of recent step intervals outside incidents"""
+    productive_s: _builtins.float
+    """steps_kept x step_time_s"""
+    goodput_ratio: _builtins.float
+    """productive / wall; absent before the first two steps"""
+    failures: _builtins.int
+    steps_redone: _builtins.int
+    goodput_1h_ratio: _builtins.float
+    """over the last hour (or since the first step if younger)"""
+    @_builtins.property
+    def lost_s(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """detection, restart, redone_steps, other (neither productive nor an incident's)"""
+
+    @_builtins.property
+    def incidents(self) -> _containers.RepeatedCompositeFieldContainer[Global___GoodputIncident]:
+        """started in the window, oldest first"""
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        since_unix_s: _builtins.float = ...,
+        now_unix_s: _builtins.float = ...,
+        wall_s: _builtins.float = ...,
+        step: _builtins.int = ...,
+        steps_kept: _builtins.int = ...,
+        step_time_s: _builtins.float = ...,
+        productive_s: _builtins.float = ...,
+        goodput_ratio: _builtins.float | None = ...,
+        lost_s: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        failures: _builtins.int = ...,
+        steps_redone: _builtins.int = ...,
+        incidents: _abc.Iterable[Global___GoodputIncident] | None = ...,
+        goodput_1h_ratio: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_goodput_1h_ratio", b"_goodput_1h_ratio", "_goodput_ratio", b"_goodput_ratio", "goodput_1h_ratio", b"goodput_1h_ratio", "goodput_ratio", b"goodput_ratio"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_goodput_1h_ratio", b"_goodput_1h_ratio", "_goodput_ratio", b"_goodput_ratio", "failures", b"failures", "goodput_1h_ratio", b"goodput_1h_ratio", "goodput_ratio", b"goodput_ratio", "incidents", b"incidents", "job", b"job", "lost_s", b"lost_s", "now_unix_s", b"now_unix_s", "productive_s", b"productive_s", "since_unix_s", b"since_unix_s", "step", b"step", "step_time_s", b"step_time_s", "steps_kept", b"steps_kept", "steps_redone", b"steps_redone", "wall_s", b"wall_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__goodput_1h_ratio: _TypeAlias = _typing.Literal["goodput_1h_ratio"]  # noqa: Y015
+    _WhichOneofArgType__goodput_1h_ratio: _TypeAlias = _typing.Literal["_goodput_1h_ratio", b"_goodput_1h_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__goodput_ratio: _TypeAlias = _typing.Literal["goodput_ratio"]  # noqa: Y015
+    _WhichOneofArgType__goodput_ratio: _TypeAlias = _typing.Literal["_goodput_ratio", b"_goodput_ratio"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__goodput_1h_ratio) -> _WhichOneofReturnType__goodput_1h_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__goodput_ratio) -> _WhichOneofReturnType__goodput_ratio | None: ...
+
+Global___GoodputReport: _TypeAlias = GoodputReport  # noqa: Y015
+
+@_typing.final
 class DrainRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -120,6 +120,11 @@ class CoordinatorStub:
                 request_serializer=ftd_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.GetGoodput = channel.unary_unary(
+                '/ftd.v1.Coordinator/GetGoodput',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.GetGoodputRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.GoodputReport.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -245,6 +250,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetGoodput(self, request, context):
+        """The job's goodput as the leader accounts it (coordinator/goodput.py): the share of wall time spent
+        on steps that were kept, the time lost by cause, each incident. NOT_FOUND for a job that made no
+        step under this cluster's leaders; INVALID_ARGUMENT for a negative or non-finite since_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -332,6 +346,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=ftd_dot_v1_dot_coordinator__pb2.DrainRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_coordinator__pb2.DrainResponse.SerializeToString,
+            ),
+            'GetGoodput': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGoodput,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.GetGoodputRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.GoodputReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -793,6 +812,33 @@ class Coordinator:
             '/ftd.v1.Coordinator/Drain',
             ftd_dot_v1_dot_coordinator__pb2.DrainRequest.SerializeToString,
             ftd_dot_v1_dot_coordinator__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGoodput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/GetGoodput',
+            ftd_dot_v1_dot_coordinator__pb2.GetGoodputRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.GoodputReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,11 @@ class CoordinatorStub:
     saves a final checkpoint first, then the new world is committed; the job's restart budget is not
     charged. NOT_FOUND for an unknown node, FAILED_PRECONDITION for a fenced one.
     """
+    GetGoodput: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetGoodputRequest, _coordinator_pb2.GoodputReport]
+    """The job's goodput as the leader accounts it (coordinator/goodput.py): the share of wall time spent
+    on steps that were kept, the time lost by cause, each incident. NOT_FOUND for a job that made no
+    step under this cluster's leaders; INVALID_ARGUMENT for a negative or non-finite since_s.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -122,6 +127,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """A planned hand-over of a node's rank to a spare (a spot preemption notice, maintenance): the job
     saves a final checkpoint first, then the new world is committed; the job's restart budget is not
     charged. NOT_FOUND for an unknown node, FAILED_PRECONDITION for a fenced one.
+    """
+    GetGoodput: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetGoodputRequest, _coordinator_pb2.GoodputReport]  # type: ignore[assignment]
+    """The job's goodput as the leader accounts it (coordinator/goodput.py): the share of wall time spent
+    on steps that were kept, the time lost by cause, each incident. NOT_FOUND for a job that made no
+    step under this cluster's leaders; INVALID_ARGUMENT for a negative or non-finite since_s.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -266,6 +276,17 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """A planned hand-over of a node's rank to a spare (a spot preemption notice, maintenance): the job
         saves a final checkpoint first, then the new world is committed; the job's restart budget is not
         charged. NOT_FOUND for an unknown node, FAILED_PRECONDITION for a fenced one.
+        """
+
+    @_abc_1.abstractmethod
+    def GetGoodput(
+        self,
+        request: _coordinator_pb2.GetGoodputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GoodputReport, _abc.Awaitable[_coordinator_pb2.GoodputReport]]:
+        """The job's goodput as the leader accounts it (coordinator/goodput.py): the share of wall time spent
+        on steps that were kept, the time lost by cause, each incident. NOT_FOUND for a job that made no
+        step under this cluster's leaders; INVALID_ARGUMENT for a negative or non-finite since_s.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
