@@ -17,7 +17,7 @@ import pytest
 
 from ftd.agent.torchrun_supervisor import descendants
 from ftd.client import CoordinatorClient
-from ftd.ftctl import drill
+from ftd.ftctl import drill, goodput
 from ftd.ftctl.localcluster import TrainOptions, spawn_agent, stop, up, wait_agent
 from ftd.training import demo_job
 from ftd.v1 import checkpoint_pb2
@@ -118,6 +118,24 @@ def check_resumed(run: Run, result: drill.DrillResult, fault_t: float) -> None:
     assert not demo_job.replay_mismatches(records), "a step run again after the recovery differs from its first run"
 
 
+def check_goodput_agrees(run: Run, result: drill.DrillResult, kind: str) -> None:
+    """``ftctl goodput`` after the drill: one incident of ``kind`` whose detection, recovery and steps
+    redone agree with the drill's own measurement (the leader times from the node's last heartbeat, the
+    drill from its kill: a heartbeat interval apart; the drill reads steps through the agents)."""
+    wait_for(lambda: goodput.fetch(run.client)["incidents"] and not goodput.fetch(run.client)["incidents"][-1]["open"],
+             30, "the goodput incident closed")
+    report = goodput.fetch(run.client)
+    [incident] = report["incidents"]
+    assert incident["kind"] == kind and (kind == "worker_failed" or incident["node_id"] == result.node), incident
+    assert result.detected_s is not None and result.recovered_s is not None and result.lost_steps is not None
+    if kind != "worker_failed":  # the leader learns of a worker failure at the round, with no detection of its own
+        assert abs(incident["detection_s"] - result.detected_s) < 1.5, (incident, result)
+    assert abs(incident["detection_s"] + incident["recovery_s"] - result.recovered_s) < 2.5, (incident, result)
+    assert incident["restored_step"] == result.resumed_step
+    assert abs(incident["steps_redone"] - result.lost_steps) <= 20, (incident, result)  # 1 s of 0.05 s steps
+    assert 0 < report["goodput_ratio"] < 1 and report["lost_s"]["restart"] > 0
+
+
 def test_kill_node_spare_takes_the_rank_and_training_resumes(run_factory: Any) -> None:
     run = run_factory(nodes=2, spares=1)
     run.training()
@@ -130,6 +148,7 @@ def test_kill_node_spare_takes_the_rank_and_training_resumes(run_factory: Any) -
     assert result.replacement == "node-2" and result.rank == 1
     assert list(run.client.status().world)[1] == "node-2"
     check_resumed(run, result, fault_t)
+    check_goodput_agrees(run, result, "node_dead")
 
 
 def test_hung_node_is_fenced_and_replaced(run_factory: Any) -> None:
@@ -159,6 +178,7 @@ def test_killed_worker_restarts_the_job_in_a_new_round(run_factory: Any) -> None
     assert after.job_round > before.job_round and after.job_restarts == before.job_restarts + 1
     fault_t = min(r["t"] for r in run.records() if r["event"] == "step" and r["step"] == result.last_step_before)
     check_resumed(run, result, fault_t)
+    check_goodput_agrees(run, result, "worker_failed")
 
 
 def test_two_nodes_lost_one_spare_world_shrinks_then_waits_and_says_why(run_factory: Any) -> None:
