@@ -95,7 +95,7 @@ class Controller:
         self.goodput = GoodputWatch(self.committer, wall)
         self.membership.on_failure = self.goodput.failure
         self.jobs.on_round = self.goodput.round_started
-        self.metrics.registry.register(self.goodput.collector())
+        self.metrics.job_goodput.source = self.goodput.samples
         self.membership.also_unfit = self.stragglers.unfit
         self.gauges = Gauges(self.committer, self.membership, self.catalog, self.metrics, self.security, clock)
         self.alarms = AlarmWatch(store, self.calls, self.committer, self.security)

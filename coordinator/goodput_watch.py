@@ -15,9 +15,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import errors
@@ -131,9 +128,6 @@ class GoodputWatch:
             raise errors.JobNotFound(job)
         return ledger.report(self.wall(), since)
 
-    def collector(self) -> Collector:
-        return _Collector(self)
-
     def samples(self) -> Iterator[tuple[str, dict[str, float], dict[str, float]]]:
         """(job, goodput by window, lost seconds by cause) of every ledger, for the metrics."""
         if self.state.view is None:
@@ -176,23 +170,3 @@ def goodput_proto(watch: GoodputWatch, job: str, since_s: float) -> coordinator_
                           lost_s=i["lost_s"], open=i["open"], step_before=i["step_before"],
                           restored_step=i["restored_step"], also=i["also"])
     return out
-
-
-class _Collector(Collector):
-    def __init__(self, watch: GoodputWatch) -> None:
-        self.watch = watch
-
-    def collect(self) -> Iterator[Any]:
-        ratio = GaugeMetricFamily("ftd_job_goodput_ratio", "Share of wall time spent on training steps that were "
-                                  "kept (steps kept x failure-free step time / wall time), by window (1h, all: "
-                                  "since the job's first step)", labels=["job", "window"])
-        lost = CounterMetricFamily("ftd_job_lost_seconds", "Wall time the job lost to incidents, by cause: detection "
-                                   "(failure to decision), restart (decision to the first new step), redone_steps",
-                                   labels=["job", "cause"])
-        for job, ratios, causes in self.watch.samples():
-            for window, value in ratios.items():
-                ratio.add_metric([job, window], value)
-            for cause, seconds in causes.items():
-                lost.add_metric([job, cause], seconds)
-        yield ratio
-        yield lost

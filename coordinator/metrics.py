@@ -3,7 +3,38 @@ several coordinators can live in one test process."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# (job, goodput ratio by window, lost seconds by cause) of every job the leader accounts
+GoodputSamples = Iterable[tuple[str, dict[str, float], dict[str, float]]]
+
+
+class JobGoodput(Collector):
+    """``ftd_job_goodput_ratio{job,window}`` and ``ftd_job_lost_seconds_total{job,cause}``, read from
+    the leader's goodput ledgers at scrape time (``source``: the controller's; empty on a standby)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], GoodputSamples] = lambda: ()
+
+    def collect(self) -> Iterator[Any]:
+        ratio = GaugeMetricFamily("ftd_job_goodput_ratio", "Share of wall time spent on training steps that were "
+                                  "kept (steps kept x failure-free step time / wall time), by window: 1h, or all "
+                                  "(since the job's first step)", labels=["job", "window"])
+        lost = CounterMetricFamily("ftd_job_lost_seconds", "Wall time the job lost to incidents, by cause: detection "
+                                   "(failure to the leader's decision), restart (decision to the first new step), "
+                                   "redone_steps (steps run again x the step time)", labels=["job", "cause"])
+        for job, ratios, causes in self.source():
+            for window, value in ratios.items():
+                ratio.add_metric([job, window], value)
+            for cause, seconds in causes.items():
+                lost.add_metric([job, cause], seconds)
+        yield ratio
+        yield lost
 
 
 class CoordinatorMetrics:
@@ -79,5 +110,7 @@ class CoordinatorMetrics:
         self.rollbacks = Counter("ftd_coordinator_rollbacks_total",
                                  "Jobs rolled back past a step anomaly (anomaly_action=rollback), by outcome: "
                                  "rolled_back, or closed (the rollback budget was spent)", ["outcome"], registry=r)
+        self.job_goodput = JobGoodput()
+        r.register(self.job_goodput)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

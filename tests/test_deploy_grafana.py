@@ -40,7 +40,7 @@ EXPORTED = {
     "ftd_coordinator_recovery_seconds", "ftd_coordinator_recovery_phase_seconds", "ftd_coordinator_job_round",
     "ftd_coordinator_straggler_score", "ftd_coordinator_stragglers", "ftd_coordinator_straggler_replacements_total",
     "ftd_coordinator_step_anomalies_total", "ftd_coordinator_rollbacks_total",
-    "ftd_coordinator_fingerprint_checks_total",
+    "ftd_coordinator_fingerprint_checks_total", "ftd_job_goodput_ratio", "ftd_job_lost_seconds_total",
     "ftd_coordinator_job_restarts", "ftd_coordinator_checkpoint_last_valid_step",
     "ftd_coordinator_checkpoint_last_valid_timestamp_seconds", "ftd_coordinator_checkpoint_interval_seconds",
     # agent
@@ -82,7 +82,8 @@ ROW_METRICS = {
                       "ftd_coordinator_world_target_size", "ftd_coordinator_nodes", "ftd_coordinator_spares",
                       "ftd_coordinator_heartbeats_received_total", "ftd_coordinator_detection_latency_seconds"},
     "Recovery": {"ftd_coordinator_recovery_seconds", "ftd_coordinator_recovery_phase_seconds",
-                 "ftd_coordinator_epoch_changes_total", "ftd_coordinator_job_restarts", "ftd_coordinator_job_round"},
+                 "ftd_coordinator_epoch_changes_total", "ftd_coordinator_job_restarts", "ftd_coordinator_job_round",
+                 "ftd_job_goodput_ratio", "ftd_job_lost_seconds_total"},
     "Checkpoints & tiers": {"ftd_coordinator_checkpoint_last_valid_step", "ftd_agent_checkpoint_save_blocked_seconds",
                             "ftd_agent_checkpoint_persist_seconds", "ftd_agent_checkpoint_bytes_written_total",
                             "ftd_agent_tier_lag_steps", "ftd_agent_tier_pending_shards",
@@ -299,6 +300,6 @@ def test_every_dashboard_metric_is_exported_by_a_live_cluster(local_cluster: Clu
         agents |= _scrape(agent.info["metrics"])
     used = _dashboard_metrics()
     assert {m for m in used if m.startswith("ftd_coordinator_")} and {m for m in used if m.startswith("ftd_agent_")}
-    missing = sorted(m for m in used - set(CONDITIONAL) - set(EXTERNAL)
-                     if m not in (coordinator if m.startswith("ftd_coordinator_") else agents))
+    missing = sorted(m for m in used - set(CONDITIONAL) - set(EXTERNAL)  # ftd_job_*: the leader's, per job
+                     if m not in (agents if m.startswith("ftd_agent_") else coordinator))
     assert not missing, f"the dashboard queries metrics the live daemons do not export: {missing}"

@@ -51,6 +51,8 @@ EXPORTED_METRICS = {
     "ftd_coordinator_step_anomalies_total",
     "ftd_coordinator_rollbacks_total",
     "ftd_coordinator_fingerprint_checks_total",
+    "ftd_job_goodput_ratio",
+    "ftd_job_lost_seconds_total",
     # agent (one per node)
     "ftd_agent_connected",
     "ftd_agent_gpu_utilization_ratio",
@@ -110,6 +112,7 @@ EXPECTED_ALERTS = {
     "FtdEtcdNoSpace",
     "FtdEtcdAlarm",
     "FtdNetworkLatencyHigh",
+    "FtdGoodputLow",
 }
 # Where each alert's runbook lives: docs/operations.md, except the etcd alerts, whose sections are with the
 # etcd hardening they belong to.
