@@ -167,6 +167,7 @@ class FtdArm:
         for pid in [agent.pid, *descendants(agent.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        notice_file(self.cluster, victim).unlink(missing_ok=True)  # a fresh host has no preemption notice
         proc, _, _ = spawn_agent(self.cluster, victim, "spare", extra_args=self.train.agent_args(NODES))
         wait_agent(self.cluster, victim, proc)
 
