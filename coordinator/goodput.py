@@ -100,7 +100,6 @@ class Ledger:
     open: Incident | None = None
     incidents: list[Incident] = field(default_factory=list)  # closed, newest last (INCIDENTS_KEPT)
     lost: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))  # closed incidents'
-    failures: int = 0
 
     @property
     def step_time(self) -> float:
@@ -154,7 +153,6 @@ class Ledger:
     def _fail(self, at: float, cause: str, node_id: str, since: float | None) -> None:
         if self.started is None:
             return  # the job made no step yet: nothing to lose
-        self.failures += 1
         if self.open is not None:
             self.open.also.append(f"{cause} {node_id}".strip())
             return
@@ -246,5 +244,5 @@ def decode(raw: bytes) -> Ledger:
         samples=[(float(a), int(s)) for a, s in data["samples"]],
         open=_incident(data["open"]) if data["open"] else None,
         incidents=[_incident(i) for i in data["incidents"]],
-        lost={c: float(data["lost"].get(c, 0.0)) for c in CAUSES}, failures=int(data["failures"]))
+        lost={c: float(data["lost"].get(c, 0.0)) for c in CAUSES})
     return ledger
