@@ -28,9 +28,19 @@ as it has: ``deferred_s`` says by how much. Kinds, as each arm meets them:
   planned hand-over at a final checkpoint; torchrun has no notice: the node is SIGKILLed at the notice's
   deadline, ``--notice-s`` later).
 
-Not in the mix: node partitions (they need both arms inside the isolated network lab, which this
-script does not build; ``chaos_tests`` covers them for ftd) and slow nodes (a straggler is not a
-failure of either arm's recovery).
+* ``partition``: the node is cut off from everyone, both ways (nftables on its link in the network
+  lab, :mod:`ftd.netlab`: a silent loss, like a cut cable). ftd: declared dead by its missed
+  heartbeats, the spare takes the rank; torchrun: its survivors wait in the collective (gloo's
+  timeout) and its rendezvous notices nothing. Once the arm recovered (or ``RECOVER_TIMEOUT_S``
+  passed) the cut-off node is replaced as after ``node`` (killed, the link healed, a fresh one joins).
+
+With ``partition`` in the mix (the default) every run of both arms happens in a network lab of its
+own, each process in its own namespace with its own address (root only, as ``ftctl up --isolate``):
+the root half makes the lab, runs the phase inside its ``ctl`` host (this script again, ``--phase``)
+and removes the lab after, proving nothing is left behind. Without it, everything runs on loopback.
+
+Not in the mix: slow nodes (a straggler is not a failure of either arm's recovery; the chaos matrix's
+``slow-node`` scenario measures ftd's hand-over of one).
 
 Printed per arm: goodput, failures injected and recovered, per kind the mean and p90 of detection,
 recovery and lost steps, the cost per failure (recovery + lost steps x step time), steps lost in
@@ -59,8 +69,9 @@ from typing import Any
 
 from recovery import STEP_TIME, current_step, kill_tree, new_world, records, torch_log_times
 
+from ftd import netlab
 from ftd.agent.torchrun_supervisor import descendants
-from ftd.ftctl import drill, preempt_drill
+from ftd.ftctl import drill, isolated, preempt_drill
 from ftd.ftctl import goodput as ftd_goodput
 from ftd.ftctl.etcd_server import free_port
 from ftd.ftctl.localcluster import ClusterFile, TrainOptions, notice_file, spawn_agent, stop, up, wait_agent
@@ -68,7 +79,9 @@ from ftd.waiting import wait_for
 
 from _common import emit, percentile
 
-KINDS = ("node", "worker", "hang", "preempt")
+KINDS = ("node", "worker", "hang", "preempt", "partition")
+ENV_PHASE = "FTD_BENCH_GOODPUT_INSIDE"  # set in the phase re-executed inside a lab's ctl host
+TORCHRUN_PORT = 29400  # the c10d store on node-0 (in a lab every host has its own address)
 ARMS = ("ftd", "torchrun_c10d")
 NODES = 2  # active nodes (ranks), plus one spare / standby
 PERSIST_EVERY = 50  # durable checkpoints of both arms, every 10 s of the paced demo job
@@ -139,12 +152,13 @@ def by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 class FtdArm:
     name = "ftd"
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, lab: netlab.Lab | None = None) -> None:
         self.out = work / "run"
+        self.lab = lab
         self.train = TrainOptions(cmd=f"-m ftd.training.demo_job --steps 1000000 --memory-every 1 --persist-every "
                                       f"{PERSIST_EVERY} --step-time {STEP_TIME} --out {self.out}", job="demo",
                                   hang_timeout_s=HANG_TIMEOUT_S)
-        self.cluster: ClusterFile = up(work / "cluster", NODES, 1, train=self.train)
+        self.cluster: ClusterFile = up(work / "cluster", NODES, 1, train=self.train, isolate=lab is not None)
         self.client = self.cluster.client()
 
     def inject(self, f: Failure) -> dict[str, Any]:
@@ -153,6 +167,11 @@ class FtdArm:
         if f.kind == "preempt":
             r = preempt_drill.run(self.client, victim, notice_file(self.cluster, victim), job_log=self.out,
                                   notice_s=10.0, timeout_s=RECOVER_TIMEOUT_S)
+        elif f.kind == "partition":
+            assert self.lab is not None, "a partition needs the network lab"
+            host = self.lab.hosts[victim]
+            r = drill.run(self.client, victim, mode="node", target_detect_s=60.0, target_recover_s=RECOVER_TIMEOUT_S,
+                          timeout_s=RECOVER_TIMEOUT_S, inject=lambda: self.lab.partition(host) if self.lab else None)
         else:
             r = drill.run(self.client, victim, self.cluster.drill_token, f.kind, target_detect_s=60.0,
                           target_recover_s=RECOVER_TIMEOUT_S, timeout_s=RECOVER_TIMEOUT_S)
@@ -167,6 +186,8 @@ class FtdArm:
         for pid in [agent.pid, *descendants(agent.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if self.lab is not None:
+            self.lab.heal(self.lab.hosts[victim])  # the fresh host's link is whole
         notice_file(self.cluster, victim).unlink(missing_ok=True)  # a fresh host has no preemption notice
         proc, _, _ = spawn_agent(self.cluster, victim, "spare", extra_args=self.train.agent_args(NODES))
         wait_agent(self.cluster, victim, proc)
@@ -198,9 +219,10 @@ class TorchrunArm:
 
     name = "torchrun_c10d"
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, lab: netlab.Lab | None = None) -> None:
         self.work, self.out, self.ckpt = work, work / "run", work / "ckpt"
-        self.port = free_port()
+        self.lab = lab
+        self.port = TORCHRUN_PORT if lab is not None else free_port()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         work.mkdir(parents=True, exist_ok=True)
         self.start("node-0")
@@ -208,14 +230,22 @@ class TorchrunArm:
         self.start("node-1")
         self.start("node-2")
 
+    def _address(self, node: str) -> str:
+        return self.lab.hosts[node].address if self.lab is not None else "127.0.0.1"
+
     def start(self, node: str) -> None:
         argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=goodput", f"--nnodes={NODES}:{NODES}",
-                "--nproc-per-node=1", "--max-restarts=100", "--monitor-interval=0.1", "--local-addr=127.0.0.1",
+                f"--rdzv-endpoint={self._address('node-0')}:{self.port}", "--rdzv-id=goodput",
+                f"--nnodes={NODES}:{NODES}", "--nproc-per-node=1", "--max-restarts=100", "--monitor-interval=0.1",
+                f"--local-addr={self._address(node)}",
                 "-m", "ftd.training.demo_job", "--steps", "1000000", "--ckpt-every", str(PERSIST_EVERY),
                 "--step-time", str(STEP_TIME), "--out", str(self.out), "--plain-ckpt", str(self.ckpt)]
         env = {**os.environ, "FTD_NODE_ID": node, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
                "TORCH_LOGS": "+torch.distributed.elastic.rendezvous.dynamic_rendezvous"}
+        if self.lab is not None:  # the node's own namespace; gloo takes its lab interface
+            host = self.lab.hosts[node]
+            argv = host.wrap(argv)
+            env.update({"GLOO_SOCKET_IFNAME": host.iface, "TP_SOCKET_IFNAME": host.iface})
         with open(self.work / f"{node}.log", "ab") as log:
             self.procs[node] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True)
@@ -238,6 +268,9 @@ class TorchrunArm:
         t_kill = time.time()
         if f.kind == "worker":
             os.kill(latest[victim]["pid"], signal.SIGKILL)
+        elif f.kind == "partition":
+            assert self.lab is not None, "a partition needs the network lab"
+            self.lab.partition(self.lab.hosts[victim])
         elif f.kind == "hang":
             for pid in descendants(proc.pid):
                 with contextlib.suppress(ProcessLookupError):
@@ -255,10 +288,12 @@ class TorchrunArm:
                              interval_s=0.2)
         dropped = [t for n in self.procs if n != victim
                    for t in torch_log_times(self.work / f"{n}.log", r"Detected dead node", t_kill)]
-        if f.kind == "hang":  # an operator would find the stopped node eventually; the next failure needs it
+        if f.kind in ("hang", "partition"):  # an operator would find the node eventually; the next failure needs it
             kill_tree(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+            if f.kind == "partition" and self.lab is not None:
+                self.lab.heal(self.lab.hosts[victim])  # the survivors' retransmissions now meet a reset
         if f.kind != "worker":
             self.start(victim)  # a fresh node as the standby
         recovered_s = round(marks["first_step"] - t_kill, 3) if marks else None
@@ -267,7 +302,10 @@ class TorchrunArm:
                 "lost_steps": max(0, last_step - marks["restored_step"]) if marks else None}
 
     def ready(self) -> bool:
-        return all(p.poll() is None for p in self.procs.values()) and current_step(self.out) >= 0
+        """Every node up and the job stepping (a failure it has not recovered from by itself, a hang or a
+        partition, is not followed by the next one until it trains again)."""
+        return all(p.poll() is None for p in self.procs.values()) and current_step(self.out) >= 0 \
+            and bool(self._latest())
 
     def accounting(self) -> dict[str, Any] | None:
         return None
@@ -284,8 +322,8 @@ class TorchrunArm:
 
 
 def run_arm(arm_cls: Any, work: Path, window_s: float, failures: list[Failure],
-            warmup_steps: int = 30) -> dict[str, Any]:
-    arm = arm_cls(work)
+            warmup_steps: int = 30, lab: netlab.Lab | None = None) -> dict[str, Any]:
+    arm = arm_cls(work, lab)
     rows: list[dict[str, Any]] = []
     try:
         wait_for(lambda: current_step(arm.out) >= warmup_steps, 300, f"{arm.name} training")
@@ -316,9 +354,9 @@ def run_arm(arm_cls: Any, work: Path, window_s: float, failures: list[Failure],
         arm.close()
 
 
-def baseline(arm_cls: Any, work: Path, seconds: float) -> float | None:
+def baseline(arm_cls: Any, work: Path, seconds: float, lab: netlab.Lab | None = None) -> float | None:
     """The arm's failure-free step time: a run with no failure, past the warm-up."""
-    arm = arm_cls(work)
+    arm = arm_cls(work, lab)
     try:
         wait_for(lambda: current_step(arm.out) >= 30, 300, f"{arm.name} training")
         t0 = time.time()
@@ -345,6 +383,43 @@ def summarize(run: dict[str, Any], step_s: float | None) -> dict[str, Any]:
     }
 
 
+CLASSES = {"ftd": FtdArm, "torchrun_c10d": TorchrunArm}
+
+
+def phase(name: str, arm: str, work: Path, window_s: float, failures: list[Failure], baseline_s: float,
+          lab: netlab.Lab | None) -> dict[str, Any]:
+    """One phase of one arm, where this process runs (loopback, or inside the lab's ctl host)."""
+    if name == "baseline":
+        return {"step_s": baseline(CLASSES[arm], work, baseline_s, lab)}
+    return run_arm(CLASSES[arm], work, window_s, failures, lab=lab)
+
+
+def in_lab(name: str, arm: str, work: Path, argv: list[str], timeout_s: float) -> dict[str, Any]:
+    """The root half of a phase: a lab of its own (every etcd, coordinator and node host of the ftd
+    cluster; the torchrun arm uses the node hosts), this script again inside its ctl host, the lab
+    removed after and proven gone."""
+    cluster_dir = work / "cluster"
+    iso = isolated.prepare(cluster_dir, isolated.host_names(NODES, 1))
+    prefix = iso["prefix"]
+    log = work / f"{name}.log"
+    try:
+        env = {**os.environ, isolated.ENV_INSIDE: iso["ctl"], ENV_PHASE: "1"}
+        cmd = isolated.wrap(iso, isolated.CTL, [sys.executable, str(Path(__file__).resolve()), *argv,
+                                                "--phase", name, "--arms", arm, "--workdir", str(work)])
+        with log.open("ab") as err:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, env=env, timeout=timeout_s)
+        lines = proc.stdout.decode(errors="replace").strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            tail = log.read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"{arm} {name} in the lab exited {proc.returncode}: {tail}")
+        result: dict[str, Any] = json.loads(lines[-1])
+    finally:
+        isolated.teardown(cluster_dir)
+    if left := netlab.leftovers(prefix):
+        raise RuntimeError(f"the lab of {arm} {name} left {left} behind")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0, help="the measured window per arm")
@@ -354,6 +429,8 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
     ap.add_argument("--baseline-s", type=float, default=60.0, help="the failure-free run of each arm")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--phase", choices=("baseline", "run"), help=argparse.SUPPRESS)  # inside a lab
+    ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     kinds = tuple(k for k in args.kinds.split(",") if k)
     arms = [a for a in args.arms.split(",") if a]
@@ -363,8 +440,32 @@ def main() -> None:
         ap.error(f"--arms takes {', '.join(ARMS)}")
     window = args.minutes * 60.0
     failures = schedule(args.seed, window, args.mttf_s, kinds, NODES)
+    if args.phase:  # the inside half: one phase in the lab's ctl host, its result as the last line
+        if os.environ.get(ENV_PHASE) != "1" or args.workdir is None or len(arms) != 1:
+            ap.error("--phase is this script's own, run inside a lab it made")
+        lab = netlab.Lab(args.workdir / "cluster" / isolated.LAB_DIR).attach()
+        try:
+            got = phase(args.phase, arms[0], args.workdir, window, failures, args.baseline_s, lab)
+        finally:
+            lab.close()
+        print(json.dumps(got))
+        return
+    isolate = "partition" in kinds
+    if isolate:
+        try:
+            isolated.check()
+        except netlab.MissingPrivileges as exc:
+            ap.error(f"partitions run in a network lab: {exc}; or leave them out: --kinds node,worker,hang,preempt")
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-goodput-"))
-    classes = {"ftd": FtdArm, "torchrun_c10d": TorchrunArm}
+    passed = [a for a in sys.argv[1:] if a != "--json"]
+
+    def one(name: str, arm: str) -> dict[str, Any]:
+        where = work / f"{arm}-{name}" if name == "baseline" else work / arm
+        if isolate:
+            where.mkdir(parents=True, exist_ok=True)
+            return in_lab(name, arm, where, passed, window + args.baseline_s + 900.0)
+        return phase(name, arm, where, window, failures, args.baseline_s, None)
+
     result: dict[str, Any] = {"setup": {
         "minutes": args.minutes, "mttf_s": args.mttf_s, "seed": args.seed, "kinds": list(kinds),
         "schedule": [asdict(f) for f in failures], "workload": f"ftd.training.demo_job, DDP on gloo, {NODES} nodes "
@@ -372,10 +473,11 @@ def main() -> None:
         "ftd": f"warm launcher, memory snapshot every step, hang watchdog {HANG_TIMEOUT_S:g}s",
         "torchrun_c10d": "--plain-ckpt (torch.save per rank to a shared directory), "
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-        "workdir": str(work)}}
+        "network": "a lab per run: every process in its own network namespace (partitions: nftables)" if isolate
+        else "loopback", "workdir": str(work)}}
     for name in arms:
-        step_s = baseline(classes[name], work / f"{name}-baseline", args.baseline_s)
-        result[name] = summarize(run_arm(classes[name], work / name, window, failures), step_s)
+        step_s = one("baseline", name)["step_s"]
+        result[name] = summarize(one("run", name), step_s)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

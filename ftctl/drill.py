@@ -20,6 +20,7 @@ not. The outcome is a pure function of the measurements (:func:`verdict`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -167,10 +168,13 @@ class _Stepping:
 
 
 def run(client: CoordinatorClient, node_id: str, token: str = "", mode: str = "node", target_detect_s: float = 3.0,
-        target_recover_s: float = 60.0, timeout_s: float = 180.0, reason: str = "ftctl drill") -> DrillResult:
+        target_recover_s: float = 60.0, timeout_s: float = 180.0, reason: str = "ftctl drill",
+        inject: Callable[[], None] | None = None) -> DrillResult:
     """Breaks ``node_id`` and measures the recovery, watching the coordinator's event log (the events
     after the newest one before the drill): the status is read again only when an event arrives, and
-    the node list never in the loop."""
+    the node list never in the loop. ``inject``: breaks the node another way than through its agent
+    (a network partition from the lab, which no agent can do to itself); ``mode`` says what the
+    failure amounts to (``node``: the node is lost)."""
     if mode not in MODES:
         raise DrillError(f"unknown drill mode {mode!r}; one of {', '.join(MODES)}")
     status = client.status()
@@ -193,14 +197,17 @@ def run(client: CoordinatorClient, node_id: str, token: str = "", mode: str = "n
     # The operator certificate of the client authorises the drill (the agent's authorization table);
     # a token is only sent to agents that want one as a second factor.
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    with rpc.channel(node.agent_address, tls=client.tls) as channel:
-        try:
-            agent_pb2_grpc.AgentStub(channel).Kill(agent_pb2.KillRequest(reason=reason, mode=MODES[mode]), timeout=5.0,
-                                                   metadata=metadata)
-        except grpc.RpcError as exc:
-            code = rpc_code(exc)
-            raise DrillError(f"agent of {node_id} at {node.agent_address} refused the drill: "
-                             f"{code.name if code else '?'} {rpc_details(exc)}") from exc
+    if inject is not None:
+        inject()
+    else:
+        with rpc.channel(node.agent_address, tls=client.tls) as channel:
+            try:
+                agent_pb2_grpc.AgentStub(channel).Kill(agent_pb2.KillRequest(reason=reason, mode=MODES[mode]),
+                                                       timeout=5.0, metadata=metadata)
+            except grpc.RpcError as exc:
+                code = rpc_code(exc)
+                raise DrillError(f"agent of {node_id} at {node.agent_address} refused the drill: "
+                                 f"{code.name if code else '?'} {rpc_details(exc)}") from exc
     t0 = time.monotonic()
     timeline: list[tuple[float, str]] = [(0.0, f"{mode} drill on {node_id} (rank {rank})")]
 
