@@ -238,6 +238,9 @@ class TorchrunArm:
                 f"--rdzv-endpoint={self._address('node-0')}:{self.port}", "--rdzv-id=goodput",
                 f"--nnodes={NODES}:{NODES}", "--nproc-per-node=1", "--max-restarts=100", "--monitor-interval=0.1",
                 f"--local-addr={self._address(node)}",
+                # node-0 hosts the store: in a lab its address is not what the machine's host name resolves
+                # to, which is how c10d guesses it otherwise
+                *([f"--rdzv-conf=is_host={int(node == 'node-0')}"] if self.lab is not None else []),
                 "-m", "ftd.training.demo_job", "--steps", "1000000", "--ckpt-every", str(PERSIST_EVERY),
                 "--step-time", str(STEP_TIME), "--out", str(self.out), "--plain-ckpt", str(self.ckpt)]
         env = {**os.environ, "FTD_NODE_ID": node, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
