@@ -4,6 +4,14 @@ against both in one invocation.
 
     python bench/goodput.py --minutes 10 --mttf-s 90 --seed 1 --json
     python bench/goodput.py --minutes 3 --mttf-s 45 --seed 2 --kinds node,worker
+    python bench/goodput.py --workload fsdp --nproc-per-node 2 --params 38M --minutes 5 --kinds node,worker,preempt
+
+Workloads: ``demo`` (``ftd.training.demo_job``: DDP, one rank per node, a paced 0.2 s step, durable
+checkpoints every PERSIST_EVERY steps in both arms, ftd's memory snapshot every step) and ``fsdp``
+(``examples/fsdp2_train.py`` as bench/recovery.py runs it: FSDP2 ``fully_shard`` per block with Adam,
+``--nproc-per-node`` ranks per node; ftd: DCP format through the Checkpointer, memory snapshot every
+step, durable every 1000; torchrun: torch DCP's own ``save`` to a shared directory every
+PERSIST_EVERY steps, restored with DCP's ``load``).
 
 Per arm, goodput = (steps kept x the failure-free step time) / wall time, where the steps kept are the
 job's step at the end minus its step at the start of the measured window (steps run again after a
@@ -67,7 +75,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from recovery import STEP_TIME, current_step, kill_tree, new_world, records, torch_log_times
+from recovery import STEP_TIME, Workload, current_step, kill_tree, new_world, records, torch_log_times
 
 from ftd import netlab
 from ftd.agent.torchrun_supervisor import descendants
@@ -86,7 +94,7 @@ ARMS = ("ftd", "torchrun_c10d")
 NODES = 2  # active nodes (ranks), plus one spare / standby
 PERSIST_EVERY = 50  # durable checkpoints of both arms, every 10 s of the paced demo job
 GAP_STEPS = 5
-HANG_TIMEOUT_S = 10.0  # ftd's agent hang watchdog in this bench (a paced step is 0.2 s)
+HANG_TIMEOUT_S = {"demo": 10.0, "fsdp": 60.0}  # ftd's agent hang watchdog (demo: a paced step is 0.2 s)
 RECOVER_TIMEOUT_S = 180.0  # per failure; past it the failure counts as not recovered
 
 
@@ -152,12 +160,14 @@ def by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 class FtdArm:
     name = "ftd"
 
-    def __init__(self, work: Path, lab: netlab.Lab | None = None) -> None:
+    def __init__(self, work: Path, load: Workload, lab: netlab.Lab | None = None) -> None:
         self.out = work / "run"
-        self.lab = lab
-        self.train = TrainOptions(cmd=f"-m ftd.training.demo_job --steps 1000000 --memory-every 1 --persist-every "
-                                      f"{PERSIST_EVERY} --step-time {STEP_TIME} --out {self.out}", job="demo",
-                                  hang_timeout_s=HANG_TIMEOUT_S)
+        self.lab, self.load = lab, load
+        cmd = (f"-m ftd.training.demo_job --steps 1000000 --memory-every 1 --persist-every {PERSIST_EVERY} "
+               f"--step-time {STEP_TIME} --out {self.out}") if load.name == "demo" else \
+            load.ftd_cmd(self.out, NODES * load.nproc)
+        self.train = TrainOptions(cmd=cmd, job=load.job, nproc_per_node=load.nproc,
+                                  hang_timeout_s=HANG_TIMEOUT_S[load.name])
         self.cluster: ClusterFile = up(work / "cluster", NODES, 1, train=self.train, isolate=lab is not None)
         self.client = self.cluster.client()
 
@@ -198,7 +208,7 @@ class FtdArm:
 
     def accounting(self) -> dict[str, Any] | None:
         with contextlib.suppress(Exception):
-            return ftd_goodput.fetch(self.client, "demo")
+            return ftd_goodput.fetch(self.client, self.load.job)
         return None
 
     def healthy(self) -> bool:
@@ -219,9 +229,9 @@ class TorchrunArm:
 
     name = "torchrun_c10d"
 
-    def __init__(self, work: Path, lab: netlab.Lab | None = None) -> None:
+    def __init__(self, work: Path, load: Workload, lab: netlab.Lab | None = None) -> None:
         self.work, self.out, self.ckpt = work, work / "run", work / "ckpt"
-        self.lab = lab
+        self.lab, self.load = lab, load
         self.port = TORCHRUN_PORT if lab is not None else free_port()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         work.mkdir(parents=True, exist_ok=True)
@@ -236,13 +246,13 @@ class TorchrunArm:
     def start(self, node: str) -> None:
         argv = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self._address('node-0')}:{self.port}", "--rdzv-id=goodput",
-                f"--nnodes={NODES}:{NODES}", "--nproc-per-node=1", "--max-restarts=100", "--monitor-interval=0.1",
+                f"--nnodes={NODES}:{NODES}", f"--nproc-per-node={self.load.nproc}", "--max-restarts=100",
+                "--monitor-interval=0.1",
                 f"--local-addr={self._address(node)}",
                 # node-0 hosts the store: in a lab its address is not what the machine's host name resolves
                 # to, which is how c10d guesses it otherwise
                 *([f"--rdzv-conf=is_host={int(node == 'node-0')}"] if self.lab is not None else []),
-                "-m", "ftd.training.demo_job", "--steps", "1000000", "--ckpt-every", str(PERSIST_EVERY),
-                "--step-time", str(STEP_TIME), "--out", str(self.out), "--plain-ckpt", str(self.ckpt)]
+                *self.load.torchrun_argv(self.out, self.ckpt)]
         env = {**os.environ, "FTD_NODE_ID": node, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1",
                "TORCH_LOGS": "+torch.distributed.elastic.rendezvous.dynamic_rendezvous"}
         if self.lab is not None:  # the node's own namespace; gloo takes its lab interface
@@ -263,7 +273,7 @@ class TorchrunArm:
     def inject(self, f: Failure) -> dict[str, Any]:
         latest = self._latest()
         holders = {r["rank"]: n for n, r in latest.items()}
-        victim = holders.get(f.rank % NODES, "")
+        victim = holders.get((f.rank % NODES) * self.load.nproc, "")
         if victim in ("node-0", ""):
             victim = next((n for n in sorted(latest) if n != "node-0"), "node-1")
         proc = self.procs[victim]
@@ -324,9 +334,9 @@ class TorchrunArm:
 # ---- one run --------------------------------------------------------------------------------------------
 
 
-def run_arm(arm_cls: Any, work: Path, window_s: float, failures: list[Failure],
+def run_arm(arm_cls: Any, work: Path, window_s: float, failures: list[Failure], load: Workload,
             warmup_steps: int = 30, lab: netlab.Lab | None = None) -> dict[str, Any]:
-    arm = arm_cls(work, lab)
+    arm = arm_cls(work, load, lab)
     rows: list[dict[str, Any]] = []
     try:
         wait_for(lambda: current_step(arm.out) >= warmup_steps, 300, f"{arm.name} training")
@@ -357,9 +367,9 @@ def run_arm(arm_cls: Any, work: Path, window_s: float, failures: list[Failure],
         arm.close()
 
 
-def baseline(arm_cls: Any, work: Path, seconds: float, lab: netlab.Lab | None = None) -> float | None:
+def baseline(arm_cls: Any, work: Path, seconds: float, load: Workload, lab: netlab.Lab | None = None) -> float | None:
     """The arm's failure-free step time: a run with no failure, past the warm-up."""
-    arm = arm_cls(work, lab)
+    arm = arm_cls(work, load, lab)
     try:
         wait_for(lambda: current_step(arm.out) >= 30, 300, f"{arm.name} training")
         t0 = time.time()
@@ -390,11 +400,11 @@ CLASSES = {"ftd": FtdArm, "torchrun_c10d": TorchrunArm}
 
 
 def phase(name: str, arm: str, work: Path, window_s: float, failures: list[Failure], baseline_s: float,
-          lab: netlab.Lab | None) -> dict[str, Any]:
+          load: Workload, lab: netlab.Lab | None) -> dict[str, Any]:
     """One phase of one arm, where this process runs (loopback, or inside the lab's ctl host)."""
     if name == "baseline":
-        return {"step_s": baseline(CLASSES[arm], work, baseline_s, lab)}
-    return run_arm(CLASSES[arm], work, window_s, failures, lab=lab)
+        return {"step_s": baseline(CLASSES[arm], work, baseline_s, load, lab)}
+    return run_arm(CLASSES[arm], work, window_s, failures, load, lab=lab)
 
 
 def in_lab(name: str, arm: str, work: Path, argv: list[str], timeout_s: float) -> dict[str, Any]:
@@ -431,6 +441,9 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"the mix, of {', '.join(KINDS)}")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
     ap.add_argument("--baseline-s", type=float, default=60.0, help="the failure-free run of each arm")
+    ap.add_argument("--workload", choices=("demo", "fsdp"), default="demo")
+    ap.add_argument("--nproc-per-node", type=int, default=2, help="fsdp: ranks per node")
+    ap.add_argument("--params", default="38M", help="fsdp: the model's size (examples/fsdp2_train.py)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--phase", choices=("baseline", "run"), help=argparse.SUPPRESS)  # inside a lab
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
@@ -443,12 +456,16 @@ def main() -> None:
         ap.error(f"--arms takes {', '.join(ARMS)}")
     window = args.minutes * 60.0
     failures = schedule(args.seed, window, args.mttf_s, kinds, NODES)
+    if args.nproc_per_node < 1:
+        ap.error("--nproc-per-node must be >= 1")
+    load = Workload("demo") if args.workload == "demo" else \
+        Workload("fsdp", nproc=args.nproc_per_node, params=args.params, baseline_every=PERSIST_EVERY)
     if args.phase:  # the inside half: one phase in the lab's ctl host, its result as the last line
         if os.environ.get(ENV_PHASE) != "1" or args.workdir is None or len(arms) != 1:
             ap.error("--phase is this script's own, run inside a lab it made")
         lab = netlab.Lab(args.workdir / "cluster" / isolated.LAB_DIR).attach()
         try:
-            got = phase(args.phase, arms[0], args.workdir, window, failures, args.baseline_s, lab)
+            got = phase(args.phase, arms[0], args.workdir, window, failures, args.baseline_s, load, lab)
         finally:
             lab.close()
         print(json.dumps(got))
@@ -467,15 +484,20 @@ def main() -> None:
         if isolate:
             where.mkdir(parents=True, exist_ok=True)
             return in_lab(name, arm, where, passed, window + args.baseline_s + 900.0)
-        return phase(name, arm, where, window, failures, args.baseline_s, None)
+        return phase(name, arm, where, window, failures, args.baseline_s, load, None)
 
     result: dict[str, Any] = {"setup": {
         "minutes": args.minutes, "mttf_s": args.mttf_s, "seed": args.seed, "kinds": list(kinds),
-        "schedule": [asdict(f) for f in failures], "workload": f"ftd.training.demo_job, DDP on gloo, {NODES} nodes "
-        f"x 1 rank + 1 spare/standby, a step every {STEP_TIME}s, durable checkpoints every {PERSIST_EVERY} steps",
-        "ftd": f"warm launcher, memory snapshot every step, hang watchdog {HANG_TIMEOUT_S:g}s",
-        "torchrun_c10d": "--plain-ckpt (torch.save per rank to a shared directory), "
-                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "schedule": [asdict(f) for f in failures],
+        "workload": f"ftd.training.demo_job, DDP on gloo, {NODES} nodes x 1 rank + 1 spare/standby, a step every "
+        f"{STEP_TIME}s, durable checkpoints every {PERSIST_EVERY} steps" if load.name == "demo" else
+        f"examples/fsdp2_train.py --params {load.params}, FSDP2 with Adam on gloo, {NODES} nodes x {load.nproc} "
+        "ranks + 1 spare/standby",
+        "ftd": f"warm launcher, memory snapshot every step, hang watchdog {HANG_TIMEOUT_S[load.name]:g}s"
+        + ("" if load.name == "demo" else ", DCP format, durable every 1000 steps"),
+        "torchrun_c10d": ("--plain-ckpt (torch.save per rank to a shared directory)" if load.name == "demo" else
+                          f"torch DCP save to a shared directory every {PERSIST_EVERY} steps")
+        + ", TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         "network": "a lab per run: every process in its own network namespace (partitions: nftables)" if isolate
         else "loopback", "workdir": str(work)}}
     for name in arms:

@@ -17,12 +17,15 @@ import errno
 import os
 import re
 import secrets
+from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from .base import CHUNK, Crc32c, Progress, StorageError, StorageFull
+
+T = TypeVar("T")
 
 XATTR_CRC32C = "user.ftd.crc32c"  # where the local tier keeps an object's CRC32C
 
@@ -56,6 +59,19 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def in_folder(folder: Path, create: Callable[[], T], tries: int = 3) -> T:
+    """``create()`` (a file or folder made in ``folder``) after :func:`make_dirs`; made again when a
+    concurrent delete of the folder's last entry removed the emptied folder in between (ENOENT)."""
+    for attempt in range(tries):
+        make_dirs(folder)
+        try:
+            return create()
+        except FileNotFoundError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def make_dirs(path: Path) -> None:
@@ -106,8 +122,8 @@ class AtomicFile(AbstractContextManager["AtomicFile"]):
 
     def __enter__(self) -> AtomicFile:
         try:
-            make_dirs(self.dest.parent)
-            self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            self._fd = in_folder(self.dest.parent, lambda: os.open(
+                self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
         except OSError as exc:
             raise self._fail(exc, "create") from exc
         return self
@@ -168,6 +184,7 @@ __all__ = [
     "copy_into",
     "fsync_dir",
     "fsync_file",
+    "in_folder",
     "leftover_name",
     "make_dirs",
     "os_error",

@@ -51,8 +51,8 @@ from .atomic_files import (
     copy_into,
     fsync_dir,
     fsync_file,
+    in_folder,
     leftover_name,
-    make_dirs,
     os_error,
     read_crc_xattr,
 )
@@ -268,7 +268,22 @@ class LocalBackend:
             shutil.rmtree(trash)
         except OSError as exc:  # the trash is hidden; cleanup finishes it
             raise os_error(self.name, prefix, trash, exc, "delete") from exc
+        self._drop_if_empty(final.parent)
         return count
+
+    def _drop_if_empty(self, folder: Path) -> None:
+        """Removes ``folder`` (a step's, once its last rank went) when nothing is left in it: empty step
+        folders would otherwise pile up, one per step saved, and every scan of the tier (the memory
+        tier's snapshot list on each save, the tiering inventory) walks them all. A writer that made
+        the folder just now and finds it gone makes it again (:func:`_in_folder`)."""
+        if folder == self.root or self.root not in folder.parents:
+            return
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (another rank's, a writer's), or gone already
+            return
+        with suppress(OSError):
+            fsync_dir(folder.parent)
 
     # ---- folders ----
 
@@ -279,8 +294,7 @@ class LocalBackend:
             raise AlreadyPublished(self.name, key, f"{final} already exists; a folder is never reused")
         tmp = leftover_name(final, "stage")
         try:
-            make_dirs(final.parent)
-            tmp.mkdir()
+            in_folder(final.parent, tmp.mkdir)
         except OSError as exc:
             raise os_error(self.name, key, final, exc, "stage") from exc
         return LocalStaging(self, key, final, tmp)

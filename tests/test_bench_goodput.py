@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -56,3 +58,17 @@ def test_costs_by_kind(gp: ModuleType) -> None:
     assert stats["node"]["injected"] == 2 and stats["node"]["recovered"] == 1
     assert stats["node"]["mean_recovered_s"] == 5.0 and stats["worker"]["mean_detected_s"] is None
     assert stats["worker"]["p90_cost_s"] == 3.4
+
+
+def test_the_lab_phase_and_a_bad_workload_are_refused_with_the_reason(tmp_path: Path) -> None:
+    """``--phase`` belongs to the re-executed half inside a lab the script made; run by hand it says so
+    (nothing is started), as does a workload with no ranks."""
+    script = BENCH / "goodput.py"
+    env = {k: v for k, v in os.environ.items() if k != "FTD_BENCH_GOODPUT_INSIDE"}
+    by_hand = subprocess.run([sys.executable, str(script), "--phase", "run", "--arms", "ftd", "--workdir",
+                              str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert by_hand.returncode == 2 and "inside a lab it made" in by_hand.stderr
+    assert not any(tmp_path.iterdir())
+    bad = subprocess.run([sys.executable, str(script), "--workload", "fsdp", "--nproc-per-node", "0"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "--nproc-per-node must be >= 1" in bad.stderr

@@ -73,6 +73,39 @@ def test_a_third_snapshot_replaces_the_oldest_and_pinned_ones_stay(tmp_path: Pat
     assert snapshots(tmp_path / "mem", JOB, 0) == [2, 3]
 
 
+def test_evicted_steps_leave_no_folder_behind_so_the_tier_scan_stays_small(tmp_path: Path) -> None:
+    """A step's folder goes with its last rank (it stays while another rank's shard is in it): a job
+    saving every step must not leave a folder per step for every later scan to walk. A writer whose
+    step folder was removed between making it and staging in it makes it again."""
+    root = tmp_path / "mem"
+    tier = mem_tier(root, "n1")
+    for step in range(1, 40):
+        store(tier).make_room(JOB, 0, step)
+        publish(tier, step, 0)
+    publish(tier, 39, 1)
+    steps = sorted(p.name for p in (root / JOB).iterdir())
+    assert steps == [f"step-{s:012d}" for s in (38, 39)], steps
+    store(tier).make_room(JOB, 0, 40)  # step 38 goes whole; step 39 keeps rank 1
+    tier.backend.delete_prefix(shard_prefix(JOB, 39, 0), marker_name=MANIFEST)
+    assert sorted(p.name for p in (root / JOB).iterdir()) == [f"step-{39:012d}"]
+    assert snapshots(root, JOB, 1) == [39]
+
+    made = root / JOB / f"step-{41:012d}"
+    real_mkdir = Path.mkdir
+    calls = []
+
+    def raced(self: Path, *args: Any, **kw: Any) -> None:
+        if self.parent == made and not calls:  # the emptied folder removed under the writer, once
+            calls.append(self)
+            made.rmdir()
+        real_mkdir(self, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "mkdir", raced)
+        publish(tier, 41, 0)
+    assert calls and snapshots(root, JOB, 0) == [41]
+
+
 def test_the_keep_rule_is_one_rule_for_the_tier_the_buddy_and_the_catalog() -> None:
     assert evictions([1, 2], 3) == [1] and evictions([1, 2, 3], 3) == [1]  # a held 3 is replaced, not counted
     assert evictions([4, 6], 5) == [4] and evictions([7], 5) == []  # an older incoming step still stays
