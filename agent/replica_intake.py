@@ -219,6 +219,8 @@ class _Taken:
         self.slots.clear()
         for folder in self.trash:
             shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the evicted step's folder, when nothing else is in it
+                folder.parent.rmdir()  # (a writer that made it just now makes it again: in_folder)
 
 
 def _admit(h: agent_pb2.WriteShardHeader, mem: Tier, metrics: ReplicationMetrics | None,

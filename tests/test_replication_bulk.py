@@ -259,6 +259,8 @@ def test_a_new_replica_lands_in_the_pages_of_the_one_it_replaces(make_pair: Any,
     assert (tmp_path / "b" / "mem" / shard_prefix(JOB, 3, 0) / "state.pt").read_bytes() == BIG[3:]
     hidden = [p for p in (tmp_path / "b" / "mem").rglob(".*")]
     assert hidden == [], "no trash, no slot left behind"
+    steps = sorted(p.name for p in (tmp_path / "b" / "mem" / JOB).iterdir())
+    assert steps == ["step-000000000002", "step-000000000003"], "the evicted step's folder went with it"
     assert counted(a.metrics, "bulk") == 3
 
 
