@@ -99,6 +99,7 @@ def uniform_slowdown(ctx: Context) -> Outcome:
     """Every node of the world held to the same share of a CPU: the whole job slows down together,
     every score stays near 1, nobody is judged a straggler and nobody is replaced."""
     b = ctx.baseline()
+    round_before = ctx.client.status().job_round
     throttles = [CpuThrottle(ctx.worker_pids(node), 0.35) for node in b.world]  # a cgroup quota is per group
     with contextlib.ExitStack() as stack:
         for t in throttles:
@@ -118,6 +119,7 @@ def uniform_slowdown(ctx: Context) -> Outcome:
         progressed = ctx.step() - started
         reasons = "; ".join(f"{n.node_id}: {n.straggler_reason}" for n in ctx.client.nodes().nodes
                             if n.node_id in b.world)
+        reasons += f"; {progressed} steps, job round {round_before} -> {ctx.client.status().job_round}"
     events = [e for e in ctx.events() if int(e["seq"]) > b.last_seq]
     flagged = sorted({str(e["node_id"]) for e in events if e["kind"] == "straggler_detected"})
     drained = [e["node_id"] for e in events if e["kind"] == "drain_requested"]
