@@ -62,9 +62,6 @@ def slow_node(ctx: Context) -> Outcome:
     try:
         result = preempt_drill.run(ctx.client, victim, None, job_log=ctx.out, timeout_s=90.0, start=slow_down,
                                    mode="straggler")
-        # The victim is out of the world: its throttle (a real-time duty cycle scanning /proc on this
-        # two-core box) would only take CPU from the new world being measured.
-        throttle.stop()
         resumed = time.time()
 
         def back() -> float | None:
