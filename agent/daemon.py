@@ -491,6 +491,7 @@ class AgentDaemon:
             self.metrics.save_in_progress.set(time.monotonic() - min(in_flight) if in_flight else 0.0)
             if self.training is not None:
                 self.training.tick()
+                self.metrics.standbys_ready.set(self.training.standbys_ready())
             self._maybe_retarget_rtt()
             self._maybe_plan_landing()
             self.supervisor.reap()

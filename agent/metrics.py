@@ -87,6 +87,10 @@ class AgentMetrics:
         self.rpc_denied = Counter("ftd_agent_rpc_denied_total",
                                   "Calls refused by the authorization table (docs/security.md) or for a wrong drill "
                                   "token (rule drill_token), by method and rule", ["method", "rule"], registry=r)
+        self.standbys_ready = Gauge("ftd_agent_standby_workers_ready",
+                                    "Local ranks with a standby worker ready (torch imported): the node, spare "
+                                    "or active, takes a rank without a cold start when this is nproc_per_node",
+                                    registry=r)
         self.healthy = Gauge("ftd_agent_healthy", "1 when the node passes its health checks, else 0", registry=r)
         self._mfu = MfuMeter()
         self._save_totals: dict[int, int] = {}

@@ -227,6 +227,18 @@ class Tiering:
         shard = record.shards.get(rank)
         return shard is not None and shard.has_good_copy(CopyRef(tier.name, tier.location))
 
+    def _floor(self, catalog: Catalog, job: str, tier: Tier) -> int | None:
+        """:func:`~ftd.checkpoints.catalog.job_floor` of ``job`` for ``tier``: counting, for a durable
+        tier, only steps every rank holds on a durable tier somewhere (a step in memory only, saved
+        every step, must not push the durable steps below the floor)."""
+        durable = tier is not self.mem
+
+        def kept(rec: CheckpointRecord) -> bool:
+            return rec.restorable and (not durable or all(
+                any(c.tier != rules.MEMORY for c in s.good_copies()) for s in rec.shards.values()))
+
+        return rules.job_floor({s: kept(r) for (j, s), r in catalog.items() if j == job}, self.keep_on(tier))
+
     def _migrate_to(self, tier: Tier, local: Mapping[ShardId, ShardManifest], catalog: Catalog,
                     copy: bool = True) -> None:
         """Copies what ``tier`` lacks, newest first, and only the steps its retention would keep: per
@@ -243,10 +255,14 @@ class Tiering:
                 continue  # another timeline's bytes under the same step (a restart re-saving it): not this shard
             eligible.setdefault((ident[0], ident[2]), []).append((ident, manifest))
         todo = []
-        for shards in eligible.values():
-            # From the keep-th newest restorable step on (steps in progress newer than it included).
+        floors = {job: self._floor(catalog, job, tier) for job, _ in eligible}
+        for (job, _), shards in eligible.items():
+            # From the keep-th newest restorable step on (steps in progress newer than it included),
+            # and never below the job's own kept steps: a replaced node back as a spare still holds
+            # the shards of the rank it had, which the tier's retention would delete at once.
             restorable = sorted((i[1] for i, _ in shards if catalog[(i[0], i[1])].restorable), reverse=True)
             floor = restorable[self.keep_on(tier) - 1] if len(restorable) >= self.keep_on(tier) else -1
+            floor = max(floor, floors[job] if floors[job] is not None else -1)
             for ident, manifest in shards:
                 record = catalog[(ident[0], ident[1])]
                 if ident[1] >= floor and not self._has_copy(record, ident[2], tier):
@@ -389,10 +405,11 @@ class Tiering:
             if tier.shared and (job, rank) not in mine:
                 continue  # another node owns that rank now
             by_rank.setdefault((job, rank), {})[step] = manifest
+        floors = {job: self._floor(catalog, job, tier) for job, _ in by_rank}
         for (job, rank), steps in by_rank.items():
             valid = {s: rec.restorable for s in steps if (rec := catalog.get((job, s))) is not None}
             on_tier = {s: True for s in steps}
-            for deletion in rules.retention(on_tier, valid, self.keep_on(tier)):
+            for deletion in rules.retention(on_tier, valid, self.keep_on(tier), floors[job]):
                 prefix = shard_prefix(job, deletion.step, rank)
                 log.info("retention on %s: deleting %s (%s)", tier.name, prefix, deletion.reason)
                 tier.backend.delete_prefix(prefix, marker_name=MANIFEST)

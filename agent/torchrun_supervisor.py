@@ -198,6 +198,9 @@ class TrainingSupervisor:
         """Processes started ahead for a later round (none here; the warm launcher's standbys)."""
         return []
 
+    def standbys_ready(self) -> int:
+        return 0
+
     def workers(self) -> list[int]:
         return descendants(self.proc.pid) if self._running() and self.proc is not None else []
 

@@ -332,6 +332,8 @@ class WarmPool:
             if standby.ready and not was_ready:
                 self._failures[local_rank] = 0
                 prepare_s = standby.info.get("prepare_s")
+                log.info("standby worker pid %d for local rank %d ready %.1fs after its start", standby.pid,
+                         local_rank, now - standby.spawned_at)
                 self.readiness.append(Readiness(local_rank, standby.pid, standby.background,
                                                 round(now - standby.spawned_at, 4),
                                                 float(standby.info.get("startup_s") or 0.0),

@@ -80,6 +80,10 @@ class WarmTrainingSupervisor(TrainingSupervisor):
     def standby_pids(self) -> list[int]:
         return self.pool.pids()
 
+    def standbys_ready(self) -> int:
+        """Local ranks whose standby has torch imported: a spare is warm when this is nproc."""
+        return self.pool.ready_count()
+
     def abort_workers(self, why: str) -> list[int]:
         pids = self.launcher.abort(why)
         self.last_progress = None

@@ -22,7 +22,10 @@ The schedule (:func:`schedule`): failure i at ``t_i`` seconds into the window, t
 exponential distribution of mean ``--mttf-s`` with ``random.Random(seed)``, a kind drawn from
 ``--kinds`` and a victim rank from the active ranks. A failure is injected at its time, or, when the
 arm has not recovered from the previous one yet (or its replacement is not back as a spare), as soon
-as it has: ``deferred_s`` says by how much. Kinds, as each arm meets them:
+as it has: ``deferred_s`` says by how much. ftd's replacement is back once warm (registered, its
+standby workers' torch imported: ``ftd_agent_standby_workers_ready``; ``spare_warm_s`` per failure),
+as a node provisioned ahead of the next failure is on a cluster, where the next failure comes hours
+later; torchrun's once its agent started (it has no warm standby). Kinds, as each arm meets them:
 
 * ``node``: the node dies (ftd: ``ftctl drill --kill-node``, the agent SIGKILLs its workers and
   itself; torchrun: SIGKILL of the node's torchrun and its workers). A fresh node then joins as the
@@ -71,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +87,7 @@ from ftd.ftctl import drill, isolated, preempt_drill
 from ftd.ftctl import goodput as ftd_goodput
 from ftd.ftctl.etcd_server import free_port
 from ftd.ftctl.localcluster import ClusterFile, TrainOptions, notice_file, spawn_agent, stop, up, wait_agent
-from ftd.waiting import wait_for
+from ftd.waiting import Timeout, wait_for
 
 from _common import emit, percentile
 
@@ -96,6 +100,7 @@ PERSIST_EVERY = 50  # durable checkpoints of both arms, every 10 s of the paced 
 GAP_STEPS = 5
 HANG_TIMEOUT_S = {"demo": 10.0, "fsdp": 60.0}  # ftd's agent hang watchdog (demo: a paced step is 0.2 s)
 RECOVER_TIMEOUT_S = 180.0  # per failure; past it the failure counts as not recovered
+WARM_TIMEOUT_S = 120.0  # a replacement's standbys importing torch, on a loaded two-core box
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,15 @@ def by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def standbys_ready(metrics_address: str) -> int:
+    """``ftd_agent_standby_workers_ready`` of one agent, from its /metrics."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=2.0) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("ftd_agent_standby_workers_ready "):
+                return int(float(line.split()[1]))
+    return 0
+
+
 # ---- the arms -------------------------------------------------------------------------------------------
 
 
@@ -185,13 +199,16 @@ class FtdArm:
         else:
             r = drill.run(self.client, victim, self.cluster.drill_token, f.kind, target_detect_s=60.0,
                           target_recover_s=RECOVER_TIMEOUT_S, timeout_s=RECOVER_TIMEOUT_S)
-        if f.kind != "worker":
-            self._replace(victim)
+        warm_s = self._replace(victim) if f.kind != "worker" else None
         return {"victim": victim, "detected_s": r.detected_s, "recovered_s": r.recovered_s,
-                "lost_steps": r.lost_steps, "recovered": r.recovered_s is not None}
+                "lost_steps": r.lost_steps, "recovered": r.recovered_s is not None, "spare_warm_s": warm_s}
 
-    def _replace(self, victim: str) -> None:
-        """The victim's host is gone (dead, hung and fenced, preempted): a fresh node joins as the spare."""
+    def _replace(self, victim: str) -> float | None:
+        """The victim's host is gone (dead, hung and fenced, preempted): a fresh node joins as the
+        spare. Returns how long it took to be warm (None: not within WARM_TIMEOUT_S): registered, and
+        a standby worker per local rank with torch imported (``ftd_agent_standby_workers_ready``),
+        as a replacement provisioned ahead of the next failure is; a failure due before that waits."""
+        t0 = time.monotonic()
         agent = next(a for a in self.cluster.agents if a.name == victim)
         for pid in [agent.pid, *descendants(agent.pid)]:
             with contextlib.suppress(ProcessLookupError):
@@ -200,7 +217,12 @@ class FtdArm:
             self.lab.heal(self.lab.hosts[victim])  # the fresh host's link is whole
         notice_file(self.cluster, victim).unlink(missing_ok=True)  # a fresh host has no preemption notice
         proc, _, _ = spawn_agent(self.cluster, victim, "spare", extra_args=self.train.agent_args(NODES))
-        wait_agent(self.cluster, victim, proc)
+        metrics = wait_agent(self.cluster, victim, proc).info["metrics"]
+        with contextlib.suppress(Timeout):
+            wait_for(lambda: standbys_ready(metrics) >= self.load.nproc, WARM_TIMEOUT_S, f"{victim}'s standbys",
+                     interval_s=0.2)
+            return round(time.monotonic() - t0, 2)
+        return None
 
     def ready(self) -> bool:
         status = self.client.status()

@@ -401,7 +401,18 @@ class Deletion:
     reason: str
 
 
-def retention(on_tier: Mapping[int, bool], valid: Mapping[int, bool], keep: int = 3) -> list[Deletion]:
+def job_floor(restorable: Mapping[int, bool], keep: int) -> int | None:
+    """The oldest of the job's newest ``keep`` restorable steps, over the whole catalog (every tier,
+    every node), or None while the job has fewer. ``restorable``: :func:`restorable_steps`. No save
+    of an older step is in progress (a job saves forward; a rollback removes the newer records), so a
+    shard older than it that is not restorable is garbage on any tier, and one that is will not be
+    kept by a tier that receives the job's newer steps."""
+    newest = sorted((s for s, ok in restorable.items() if ok), reverse=True)
+    return newest[keep - 1] if len(newest) >= keep else None
+
+
+def retention(on_tier: Mapping[int, bool], valid: Mapping[int, bool], keep: int = 3,
+              floor: int | None = None) -> list[Deletion]:
     """What to delete from one tier.
 
     ``on_tier``: step → whether its shard(s) are committed on this tier (published folders seen by
@@ -413,7 +424,10 @@ def retention(on_tier: Mapping[int, bool], valid: Mapping[int, bool], keep: int 
 
     Keeps the newest ``keep`` restorable steps committed on this tier. Deletes older valid steps only when
     ``keep`` newer valid ones are committed here; deletes invalid or unknown steps only when they are
-    older than the oldest kept valid step (newer ones may still be in progress).
+    older than the oldest kept valid step (newer ones may still be in progress), or older than
+    ``floor`` (:func:`job_floor`: the job's own kept steps, wherever they are): a tier holding only
+    the stale shards of a rank its node held before (a replaced node back as a spare) would
+    otherwise keep them for ever, and the tiering copy them up to be deleted there, every pass.
     """
     if keep < 1:
         raise ValueError("keep must be >= 1")
@@ -421,12 +435,15 @@ def retention(on_tier: Mapping[int, bool], valid: Mapping[int, bool], keep: int 
     kept = committed_valid[:keep]
     out = [Deletion(s, f"older than the {keep} newest valid checkpoints on this tier ({', '.join(map(str, kept))})")
            for s in committed_valid[keep:]]
-    if len(kept) == keep:
-        floor = kept[-1]
-        for s in sorted(on_tier):
-            if s < floor and not valid.get(s):
-                why = "invalid" if s in valid else "unknown to the catalog"
-                out.append(Deletion(s, f"{why} and older than kept step {floor}"))
+    here_floor = kept[-1] if len(kept) == keep else None
+    for s in sorted(on_tier):
+        if valid.get(s):
+            continue
+        why = "invalid" if s in valid else "unknown to the catalog"
+        if here_floor is not None and s < here_floor:
+            out.append(Deletion(s, f"{why} and older than kept step {here_floor}"))
+        elif floor is not None and s < floor:
+            out.append(Deletion(s, f"{why} and older than the job's kept step {floor}"))
     return sorted(out, key=lambda d: d.step)
 
 

@@ -19,6 +19,7 @@ from ftd.checkpoints.catalog import (
     encode_rollback,
     from_info,
     invalidation_loses_last,
+    job_floor,
     restorable_steps,
     restore_target,
     retention,
@@ -133,6 +134,21 @@ def test_retention_keeps_the_last_three_valid_committed_here() -> None:
     assert set(deleted) == {10} and "invalid" in deleted[10]
     # Fewer valid than keep: nothing older is deleted at all.
     assert retention({1: True, 2: True}, {1: False, 2: True}, keep=3) == []
+
+
+def test_the_jobs_floor_lets_a_tier_with_only_stale_shards_delete_them() -> None:
+    """A replaced node back as a spare holds on its SSD only the shards of the rank it had: none
+    restorable any more (the other ranks' copies were retired) and fewer than ``keep`` valid ones
+    here, so the tier's own rule keeps them; the job's floor (its own newest kept steps, on
+    other nodes) deletes them. Valid ones stay: they are still a source to restore from."""
+    assert job_floor({10: True, 20: True, 30: True, 40: False}, keep=3) == 10
+    assert job_floor({10: True, 20: True, 30: False}, keep=3) is None, "fewer than keep restorable"
+    stale = {1: True, 2: True, 3: True}
+    assert retention(stale, {1: False, 2: False}, keep=3) == [], "alone, the tier keeps what it cannot judge"
+    deleted = {d.step: d.reason for d in retention(stale, {1: False, 2: False, 3: True}, keep=3, floor=10)}
+    assert set(deleted) == {1, 2} and deleted[1] == "invalid and older than the job's kept step 10"
+    assert [d.step for d in retention({5: True, 50: True}, {}, keep=3, floor=10)] == [5], \
+        "unknown to the catalog and older than the floor: garbage; newer: maybe in progress"
 
 
 def committed(step: int, world: int, crc: str = "0a0b0c0d") -> CheckpointRecord:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +90,13 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
 
 
+def standbys_ready(metrics: str) -> int | None:
+    """The agent's ``ftd_agent_standby_workers_ready`` (None: not exported)."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as resp:
+        found = re.search(r"^ftd_agent_standby_workers_ready (\S+)$", resp.read().decode(), re.M)
+    return None if found is None else int(float(found.group(1)))
+
+
 def check_resumed(run: Run, result: drill.DrillResult, fault_t: float) -> None:
     """Training resumed at exactly the latest valid checkpoint step, every rank holds the same
     parameters, the loss keeps decreasing, and no worker of the old world is still running."""
@@ -139,6 +148,8 @@ def check_goodput_agrees(run: Run, result: drill.DrillResult, kind: str) -> None
 def test_kill_node_spare_takes_the_rank_and_training_resumes(run_factory: Any) -> None:
     run = run_factory(nodes=2, spares=1)
     run.training()
+    spare = next(a for a in run.cluster.agents if a.name == "node-2").info["metrics"]
+    wait_for(lambda: standbys_ready(spare) == 1, 120, "the spare warm (ftd_agent_standby_workers_ready 1)")
     victim = run.client.status().world[1]
     result = drill.run(run.client, victim, run.cluster.drill_token, "node", target_detect_s=3.0,
                        target_recover_s=60.0)

@@ -272,6 +272,39 @@ def test_one_pass_copies_newest_first_records_every_copy_and_keeps_the_newest_th
     assert st.lag_steps == {"hdd": 0, "s3": 0}  # measured against the catalog as the pass found it
 
 
+def test_a_spare_back_with_the_old_shards_of_its_rank_deletes_them_instead_of_copying_them_round(
+        tiers: list[Tier]) -> None:
+    """A replaced node rejoins as a spare with its disks: its SSD holds only the shards of the rank it
+    had (steps 1-3 never completed: the other rank's copies are gone; step 5 still restorable from
+    S3), while the job's newest kept steps (10, 20, 30) live on the shared HDD. Copying its old steps
+    up would have the HDD's retention delete them at once, every pass (a loop that ran for minutes
+    in bench/goodput.py); the spare copies nothing and deletes the dead steps from its SSD."""
+    ssd, hdd, _ = (backend(t) for t in tiers)
+    catalog, clock = FakeCatalog(), FakeClock()
+    for step in (1, 2, 3, 5):
+        save_shard(ssd, catalog, step, size=100, world_size=2)
+    elsewhere = [(5, 1, "s3", "s3")] + [(step, rank, "hdd", "shared") for step in (10, 20, 30) for rank in (0, 1)]
+    for step, rank, tier, location in elsewhere:
+        data = bytes([step]) * 100
+        manifest = ShardManifest(JOB, step, 1, rank, 2, "torch", (FileEntry("state.pt", 100, crc32c_hex(data)),))
+        catalog.records[(JOB, step)] = rules.commit_shard(catalog.records.get((JOB, step)), manifest, tier, location,
+                                                          0.0)[0]
+        if tier == "hdd":
+            hdd.objects[f"{shard_prefix(JOB, step, rank)}/state.pt"] = data
+            hdd.objects[f"{shard_prefix(JOB, step, rank)}/{MANIFEST}"] = manifest.encode()
+    assert [s for (_, s), r in sorted(catalog.records.items()) if r.restorable] == [5, 10, 20, 30]
+    tiering = Tiering(tiers[:2], catalog, keep=3, clock=clock, sleep=clock.sleep)
+
+    for _ in range(3):
+        tiering.pass_once()
+        clock.now += 2.0
+
+    assert [c for c in catalog.copies if c[2]] == [], "nothing copied up to be deleted"
+    assert ssd.steps() == {5}, "the dead steps went; the restorable one stays a source"
+    assert hdd.steps() == {10, 20, 30} and tiering.stats.deleted == {"ssd": 3}
+    assert [(step, where) for step, where, present, _ in catalog.copies] == [(s, "ssd@node-a") for s in (1, 2, 3)]
+
+
 def test_a_pass_skips_invalid_steps_flags_a_corrupt_source_and_stops_at_a_full_tier(tiers: list[Tier]) -> None:
     ssd, hdd, s3 = (backend(t) for t in tiers)
     catalog, clock = FakeCatalog(), FakeClock()
