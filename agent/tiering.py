@@ -262,7 +262,8 @@ class Tiering:
             # the shards of the rank it had, which the tier's retention would delete at once.
             restorable = sorted((i[1] for i, _ in shards if catalog[(i[0], i[1])].restorable), reverse=True)
             floor = restorable[self.keep_on(tier) - 1] if len(restorable) >= self.keep_on(tier) else -1
-            floor = max(floor, floors[job] if floors[job] is not None else -1)
+            job_kept = floors[job]
+            floor = max(floor, -1 if job_kept is None else job_kept)
             for ident, manifest in shards:
                 record = catalog[(ident[0], ident[1])]
                 if ident[1] >= floor and not self._has_copy(record, ident[2], tier):
