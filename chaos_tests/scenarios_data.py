@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from ftd.checkpoints.layout import MANIFEST, shard_prefix
 from ftd.waiting import Timeout, wait_for
@@ -89,19 +90,24 @@ def corrupt_shard(ctx: Context) -> Outcome:
     SSD copy's checksum wrong, records it corrupt, restores the same step from its HDD copy. The step
     stays valid; nothing older is used."""
     b0 = ctx.baseline()
-    victim = b0.world[0]
     workers = {n: ctx.worker_pids(n) for n in b0.world}
     frozen = [p for pids in workers.values() for p in pids]
     signal_all(frozen, signal.SIGSTOP)  # no new saves: the newest valid step stays the target
     try:
-        def on_both() -> int | None:  # the newest valid step, on the HDD too, once nothing changes
-            info = [c for c in ctx.settled_checkpoints() if c.valid]
+        def on_both() -> tuple[int, list[Any]] | None:  # the newest valid step, on the HDD too, once settled
+            got = ctx.settled_checkpoints(quiet_s=2.0)
+            info = [c for c in got if c.valid]
             newest = max(info, key=lambda c: c.step) if info else None
-            return newest.step if newest is not None and newest.on_tier.get("hdd") else None
+            return (newest.step, got) if newest is not None and newest.on_tier.get("hdd") else None
 
-        step = int(wait_for(on_both, 45.0, "the newest valid step on SSD and HDD", interval_s=0.2))
+        step, catalog = wait_for(on_both, 45.0, "the newest valid step on SSD and HDD", interval_s=0.2)
         b = ctx.baseline()
-        rank = b.world.index(victim)
+        # A newer step some ranks already committed would be completed by the others once they are
+        # thawed, and become the target: the victim is a rank that committed none of them (its
+        # in-flight write dies with it), so `step` stays the newest valid one.
+        ahead = [{s.rank for s in c.shards if s.copies} for c in catalog if c.step > step]
+        rank = min(range(len(b.world)), key=lambda r: sum(r in ranks for ranks in ahead))
+        victim = b.world[rank]
         target = _corrupt(ctx, victim, step, rank)
         signal_all(workers[victim][:1], signal.SIGKILL)
     finally:

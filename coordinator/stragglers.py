@@ -11,7 +11,9 @@ it with :func:`judge_stragglers`:
   whole job slowing down together (a bigger batch, a slower filesystem, every node throttled alike)
   scores 1 everywhere and flags nobody.
 * **Robust to single slow steps**: medians over the window, so a checkpoint step, a garbage
-  collection or one slow batch moves nothing; steps the training marked as a save step are left out.
+  collection or one slow batch moves nothing; a step the training marked as a save step (one a
+  durable checkpoint's write ran beside: a memory snapshot, at one every step, is every step's cost) is
+  left out.
 * **Noise is not a straggler**: a node is slow only when it is also ``min_excess_s`` slower per step
   (a job whose timed compute is a millisecond would otherwise be judged on scheduler jitter).
 * **Evidence before action**: a node is judged only once it has ``min_samples`` steps spanning

@@ -87,6 +87,12 @@ def test_snapshots_are_replicated_to_the_buddy_bounded_and_pulled_by_a_node_with
     try:
         for step in range(6):  # what the cadence asks for (step_end would widen it on a loaded box)
             ck.save(step, state(step), memory=True, durable=step == 0)
+            with ck.timing.compute():
+                torch.ones(64).sum()
+            timed = ck.timing.take()
+            # The straggler watch leaves out a step with save work: only a durable one, or at a
+            # snapshot every step it would never judge anybody.
+            assert timed is not None and timed.save == (step == 0), (step, timed)
         result = ck.wait()
         assert result is not None and result.ok, (result, list(ck.results))
         # node-0 (r0) replicates to node-1 (r1), the next node in another rack; both record their copy.
