@@ -87,6 +87,7 @@ class ShardRecord:
     copies: frozenset[CopyRef] = frozenset()
     bad: Mapping[str, str] = field(default_factory=dict)  # CopyRef.key -> why it is corrupt
     committed_unix_s: float = 0.0
+    writer: str = ""  # the node whose commit created the shard (its certificate's name); "" in process
 
     def good_copies(self) -> list[CopyRef]:
         return sorted(c for c in self.copies if c.key not in self.bad)
@@ -181,11 +182,13 @@ class Rollback:
 
 
 def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier: str, location: str,
-                 now: float, cadence: str = "", round_: int | None = None) -> tuple[CheckpointRecord, str]:
+                 now: float, cadence: str = "", round_: int | None = None,
+                 writer: str = "") -> tuple[CheckpointRecord, str]:
     """Admits one shard copy. Returns the new record and what happened; raises :class:`CatalogError`
     when the shard contradicts the step (other world size, epoch or format; an older round than the
     step's; other bytes for a rank already committed). ``cadence`` and ``round_`` (the saving
-    process's job round, None: not known) are kept with a new step."""
+    process's job round, None: not known) are kept with a new step; ``writer`` (the committing node)
+    with a new shard."""
     if tier not in TIERS:
         raise CatalogError("tier", f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
     if record is None:
@@ -210,7 +213,7 @@ def commit_shard(record: CheckpointRecord | None, manifest: ShardManifest, tier:
     copy = CopyRef(tier, location)
     if shard is None:
         shard = ShardRecord(manifest.rank, manifest.total_bytes, manifest.checksum, manifest.files, frozenset([copy]),
-                            {}, now)
+                            {}, now, writer)
         what = f"rank {manifest.rank} committed on {copy}"
     else:
         bad = {k: v for k, v in shard.bad.items() if k != copy.key}  # a fresh copy heals a bad one
@@ -475,7 +478,8 @@ def encode(record: CheckpointRecord, ranks: Sequence[int] | None = None) -> dict
         s = record.shards[rank]
         out[shard_key(record.job, record.step, rank)] = _dump({
             "rank": s.rank, "bytes": s.bytes, "checksum": s.checksum, "committed_unix_s": s.committed_unix_s,
-            "files": [[f.name, f.size, f.crc32c] for f in s.files], "copies": sorted(s.copies), "bad": dict(s.bad)})
+            "files": [[f.name, f.size, f.crc32c] for f in s.files], "copies": sorted(s.copies), "bad": dict(s.bad),
+            **({"writer": s.writer} if s.writer else {})})
     return out
 
 
@@ -517,7 +521,7 @@ def decode_all(kv: Mapping[str, bytes]) -> tuple[Catalog, dict[str, Rollback], l
                                 tuple(FileEntry(str(n), int(z), str(c)) for n, z, c in data["files"]),
                                 frozenset(CopyRef(str(t), str(loc)) for t, loc in data["copies"]),
                                 {str(k): str(v) for k, v in data.get("bad", {}).items()},
-                                float(data.get("committed_unix_s", 0.0)))
+                                float(data.get("committed_unix_s", 0.0)), str(data.get("writer", "")))
                 shards.setdefault((parts[0], int(parts[1])), {})[s.rank] = s
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             problems.append(f"catalog key {key!r} is corrupt: {type(exc).__name__}: {exc}")
@@ -554,7 +558,7 @@ def to_info(record: CheckpointRecord) -> checkpoint_pb2.CheckpointInfo:
             rank=rank, bytes=s.bytes, checksum=s.checksum,
             files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in s.files],
             copies=[checkpoint_pb2.ShardCopy(tier=c.tier, location=c.location) for c in sorted(s.copies)],
-            bad=dict(s.bad)))
+            bad=dict(s.bad), writer=s.writer))
     return info
 
 
@@ -567,7 +571,8 @@ def from_info(info: checkpoint_pb2.CheckpointInfo) -> CheckpointRecord:
         reason = info.status[len(INVALID):] or "invalid"
     shards = {
         s.rank: ShardRecord(s.rank, s.bytes, s.checksum, tuple(FileEntry(f.name, f.size, f.crc32c) for f in s.files),
-                            frozenset(CopyRef(c.tier, c.location) for c in s.copies), dict(s.bad))
+                            frozenset(CopyRef(c.tier, c.location) for c in s.copies), dict(s.bad),
+                            writer=s.writer)
         for s in info.shards
     }
     return CheckpointRecord(info.job, info.step, info.epoch, info.world_size, info.format, info.created_unix_s,

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
+from ftd.authz import NODE_KINDS
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.layout import (
     MAX_RANK,
@@ -27,6 +28,7 @@ from ftd.checkpoints.layout import (
     check_rank,
     check_step,
 )
+from ftd.identity import Identity
 from ftd.v1 import checkpoint_pb2, cluster_pb2
 
 from . import errors, paging, rate_limits, validation
@@ -164,7 +166,9 @@ class CatalogKeeper:
             await self._save("checkpoint", (last_puts or {}) if last else {}, chunk,
                              None if quiet else ("checkpoints_removed", "", why), [], gone)
 
-    async def commit_shard(self, request: checkpoint_pb2.CommitShardRequest) -> checkpoint_pb2.CommitShardResponse:
+    async def commit_shard(self, request: checkpoint_pb2.CommitShardRequest,
+                           caller: Identity | None = None) -> checkpoint_pb2.CommitShardResponse:
+        """``caller``: who asked, from the certificate (None: in process, trusted)."""
         validation.validate_commit_shard(request)
         manifest = manifest_from_proto(request.manifest, self.wall())
         if request.tier not in rules.TIERS:
@@ -192,7 +196,7 @@ class CatalogKeeper:
             cadence = validation.clip(validation.one_line(request.cadence), 200)
             try:  # judged against the state after the abandonment, before anything is deleted
                 record, what = rules.commit_shard(before, manifest, request.tier, request.location, self.wall(),
-                                                  cadence, round_)
+                                                  cadence, round_, _writer(caller))
             except rules.CatalogError as exc:
                 raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
             if abandoned:  # a new timeline (restarted from an older step in a newer epoch) takes over
@@ -242,7 +246,8 @@ class CatalogKeeper:
         records = [r for key, r in self._records().items() if key[0] == record.job and key[1] != record.step]
         return rules.prune_memory([*records, record], rank, location)
 
-    async def record_copy(self, request: checkpoint_pb2.RecordCopyRequest) -> checkpoint_pb2.RecordCopyResponse:
+    async def record_copy(self, request: checkpoint_pb2.RecordCopyRequest,
+                          caller: Identity | None = None) -> checkpoint_pb2.RecordCopyResponse:
         job, step = _check(request.job, request.step)
         validation.validate_record_copy(request)
         corrupt = validation.clip(validation.one_line(request.corrupt_reason), 500)
@@ -373,6 +378,12 @@ class CatalogKeeper:
             log.warning("job %s rolled back to step %d (removed %s)", job, step, list(rb.superseded))
             return checkpoint_pb2.RollbackResponse(target=rules.to_info(self._get(job, step)),
                                                    removed_steps=list(rb.superseded))
+
+
+def _writer(caller: Identity | None) -> str:
+    """The name a shard's writer is recorded under: the committing node's (operators and in-process
+    callers commit nothing a node will verify against)."""
+    return caller.name if caller is not None and caller.kind in NODE_KINDS else ""
 
 
 def _unreachable(view: ClusterView, records: Sequence[rules.CheckpointRecord]) -> set[str]:

@@ -18,6 +18,7 @@ from grpc import aio
 from grpc.aio import EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
 
 from ftd.authz import AuthzFacts
+from ftd.authz_interceptors import peer_identity
 from ftd.client import LEADER_METADATA_KEY
 from ftd.identity import Identity
 from ftd.v1 import checkpoint_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -75,11 +76,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def CommitShard(self, request: checkpoint_pb2.CommitShardRequest,
                           context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.CommitShardResponse:
-        return await self._unary(context, lambda: self.ctl.catalog.commit_shard(request))
+        caller = peer_identity(context)
+        return await self._unary(context, lambda: self.ctl.catalog.commit_shard(request, caller))
 
     async def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,
                          context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RecordCopyResponse:
-        return await self._unary(context, lambda: self.ctl.catalog.record_copy(request))
+        caller = peer_identity(context)
+        return await self._unary(context, lambda: self.ctl.catalog.record_copy(request, caller))
 
     async def InvalidateCheckpoint(self, request: checkpoint_pb2.InvalidateCheckpointRequest,
                                    context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.CheckpointInfo:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66td/v1/checkpoint.proto\x12\x06\x66td.v1\"7\n\tShardFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\t\"\xa5\x01\n\rShardManifest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12 \n\x05\x66iles\x18\x07 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12\x16\n\x0e\x63reated_unix_s\x18\x08 \x01(\x01\"+\n\tShardCopy\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\"\xd4\x01\n\tShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12!\n\x06\x63opies\x18\x05 \x03(\x0b\x32\x11.ftd.v1.ShardCopy\x12\'\n\x03\x62\x61\x64\x18\x06 \x03(\x0b\x32\x1a.ftd.v1.ShardInfo.BadEntry\x1a*\n\x08\x42\x61\x64\x45ntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbc\x02\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x06 \x01(\x01\x12\r\n\x05valid\x18\x07 \x01(\x08\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12!\n\x06shards\x18\n \x03(\x0b\x32\x11.ftd.v1.ShardInfo\x12\x33\n\x07on_tier\x18\x0b \x03(\x0b\x32\".ftd.v1.CheckpointInfo.OnTierEntry\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x0c \x01(\t\x1a-\n\x0bOnTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x08:\x02\x38\x01\"\xd5\x01\n\x12\x43ommitShardRequest\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.ftd.v1.ShardManifest\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x04 \x01(\t\x12\x11\n\tfrom_tier\x18\x05 \x01(\t\x12\x1a\n\rrestored_step\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\tjob_round\x18\x07 \x01(\x03H\x01\x88\x01\x01\x42\x10\n\x0e_restored_stepB\x0c\n\n_job_round\"R\n\x13\x43ommitShardResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x97\x01\n\x11RecordCopyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x10\n\x08location\x18\x05 \x01(\t\x12\x0f\n\x07present\x18\x06 \x01(\x08\x12\x16\n\x0e\x63orrupt_reason\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"@\n\x12RecordCopyResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\"H\n\x1bInvalidateCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"_\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"^\n\x17GetRestoreTargetRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\"\x86\x01\n\rRestoreTarget\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tresharded\x18\x04 \x01(\x08\x12\x17\n\x0fskip_until_step\x18\x05 \x01(\x03\",\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"Q\n\x10RollbackResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x15\n\rremoved_steps\x18\x02 \x03(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66td/v1/checkpoint.proto\x12\x06\x66td.v1\"7\n\tShardFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\t\"\xa5\x01\n\rShardManifest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12 \n\x05\x66iles\x18\x07 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12\x16\n\x0e\x63reated_unix_s\x18\x08 \x01(\x01\"+\n\tShardCopy\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\"\xe4\x01\n\tShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.ftd.v1.ShardFile\x12!\n\x06\x63opies\x18\x05 \x03(\x0b\x32\x11.ftd.v1.ShardCopy\x12\'\n\x03\x62\x61\x64\x18\x06 \x03(\x0b\x32\x1a.ftd.v1.ShardInfo.BadEntry\x12\x0e\n\x06writer\x18\x07 \x01(\t\x1a*\n\x08\x42\x61\x64\x45ntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbc\x02\n\x0e\x43heckpointInfo\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t\x12\x16\n\x0e\x63reated_unix_s\x18\x06 \x01(\x01\x12\r\n\x05valid\x18\x07 \x01(\x08\x12\x0e\n\x06status\x18\x08 \x01(\t\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12!\n\x06shards\x18\n \x03(\x0b\x32\x11.ftd.v1.ShardInfo\x12\x33\n\x07on_tier\x18\x0b \x03(\x0b\x32\".ftd.v1.CheckpointInfo.OnTierEntry\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x0c \x01(\t\x1a-\n\x0bOnTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x08:\x02\x38\x01\"\xd5\x01\n\x12\x43ommitShardRequest\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.ftd.v1.ShardManifest\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61\x64\x65nce\x18\x04 \x01(\t\x12\x11\n\tfrom_tier\x18\x05 \x01(\t\x12\x1a\n\rrestored_step\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\tjob_round\x18\x07 \x01(\x03H\x01\x88\x01\x01\x42\x10\n\x0e_restored_stepB\x0c\n\n_job_round\"R\n\x13\x43ommitShardResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x97\x01\n\x11RecordCopyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04tier\x18\x04 \x01(\t\x12\x10\n\x08location\x18\x05 \x01(\t\x12\x0f\n\x07present\x18\x06 \x01(\x08\x12\x16\n\x0e\x63orrupt_reason\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"@\n\x12RecordCopyResponse\x12*\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\"H\n\x1bInvalidateCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"L\n\x16ListCheckpointsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"_\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"^\n\x17GetRestoreTargetRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nreplicated\x18\x03 \x01(\x08\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\"\x86\x01\n\rRestoreTarget\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x11\n\tresharded\x18\x04 \x01(\x08\x12\x17\n\x0fskip_until_step\x18\x05 \x01(\x03\",\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"Q\n\x10RollbackResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.ftd.v1.CheckpointInfo\x12\x15\n\rremoved_steps\x18\x02 \x03(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDCOPY']._serialized_start=260
   _globals['_SHARDCOPY']._serialized_end=303
   _globals['_SHARDINFO']._serialized_start=306
-  _globals['_SHARDINFO']._serialized_end=518
-  _globals['_SHARDINFO_BADENTRY']._serialized_start=476
-  _globals['_SHARDINFO_BADENTRY']._serialized_end=518
-  _globals['_CHECKPOINTINFO']._serialized_start=521
-  _globals['_CHECKPOINTINFO']._serialized_end=837
-  _globals['_CHECKPOINTINFO_ONTIERENTRY']._serialized_start=792
-  _globals['_CHECKPOINTINFO_ONTIERENTRY']._serialized_end=837
-  _globals['_COMMITSHARDREQUEST']._serialized_start=840
-  _globals['_COMMITSHARDREQUEST']._serialized_end=1053
-  _globals['_COMMITSHARDRESPONSE']._serialized_start=1055
-  _globals['_COMMITSHARDRESPONSE']._serialized_end=1137
-  _globals['_RECORDCOPYREQUEST']._serialized_start=1140
-  _globals['_RECORDCOPYREQUEST']._serialized_end=1291
-  _globals['_RECORDCOPYRESPONSE']._serialized_start=1293
-  _globals['_RECORDCOPYRESPONSE']._serialized_end=1357
-  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_start=1359
-  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_end=1431
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1433
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1509
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1511
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1606
-  _globals['_GETRESTORETARGETREQUEST']._serialized_start=1608
-  _globals['_GETRESTORETARGETREQUEST']._serialized_end=1702
-  _globals['_RESTORETARGET']._serialized_start=1705
-  _globals['_RESTORETARGET']._serialized_end=1839
-  _globals['_ROLLBACKREQUEST']._serialized_start=1841
-  _globals['_ROLLBACKREQUEST']._serialized_end=1885
-  _globals['_ROLLBACKRESPONSE']._serialized_start=1887
-  _globals['_ROLLBACKRESPONSE']._serialized_end=1968
+  _globals['_SHARDINFO']._serialized_end=534
+  _globals['_SHARDINFO_BADENTRY']._serialized_start=492
+  _globals['_SHARDINFO_BADENTRY']._serialized_end=534
+  _globals['_CHECKPOINTINFO']._serialized_start=537
+  _globals['_CHECKPOINTINFO']._serialized_end=853
+  _globals['_CHECKPOINTINFO_ONTIERENTRY']._serialized_start=808
+  _globals['_CHECKPOINTINFO_ONTIERENTRY']._serialized_end=853
+  _globals['_COMMITSHARDREQUEST']._serialized_start=856
+  _globals['_COMMITSHARDREQUEST']._serialized_end=1069
+  _globals['_COMMITSHARDRESPONSE']._serialized_start=1071
+  _globals['_COMMITSHARDRESPONSE']._serialized_end=1153
+  _globals['_RECORDCOPYREQUEST']._serialized_start=1156
+  _globals['_RECORDCOPYREQUEST']._serialized_end=1307
+  _globals['_RECORDCOPYRESPONSE']._serialized_start=1309
+  _globals['_RECORDCOPYRESPONSE']._serialized_end=1373
+  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_start=1375
+  _globals['_INVALIDATECHECKPOINTREQUEST']._serialized_end=1447
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1449
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1525
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1527
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1622
+  _globals['_GETRESTORETARGETREQUEST']._serialized_start=1624
+  _globals['_GETRESTORETARGETREQUEST']._serialized_end=1718
+  _globals['_RESTORETARGET']._serialized_start=1721
+  _globals['_RESTORETARGET']._serialized_end=1855
+  _globals['_ROLLBACKREQUEST']._serialized_start=1857
+  _globals['_ROLLBACKREQUEST']._serialized_end=1901
+  _globals['_ROLLBACKRESPONSE']._serialized_start=1903
+  _globals['_ROLLBACKRESPONSE']._serialized_end=1984
 # @@protoc_insertion_point(module_scope)

@@ -142,9 +142,15 @@ class ShardInfo(_message.Message):
     FILES_FIELD_NUMBER: _builtins.int
     COPIES_FIELD_NUMBER: _builtins.int
     BAD_FIELD_NUMBER: _builtins.int
+    WRITER_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     bytes: _builtins.int
     checksum: _builtins.str
+    writer: _builtins.str
+    """The node that committed the shard, as the caller's certificate named it: the rank's holder in the
+    job's world at the step's epoch. A restore checks the shard's signature against it
+    (docs/security.md). "" when it was committed in process (no certificate: tests, tools).
+    """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardFile]: ...
     @_builtins.property
@@ -162,10 +168,11 @@ class ShardInfo(_message.Message):
         files: _abc.Iterable[Global___ShardFile] | None = ...,
         copies: _abc.Iterable[Global___ShardCopy] | None = ...,
         bad: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        writer: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad", b"bad", "bytes", b"bytes", "checksum", b"checksum", "copies", b"copies", "files", b"files", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad", b"bad", "bytes", b"bytes", "checksum", b"checksum", "copies", b"copies", "files", b"files", "rank", b"rank", "writer", b"writer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
