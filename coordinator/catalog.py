@@ -31,7 +31,7 @@ from ftd.checkpoints.layout import (
 from ftd.identity import Identity
 from ftd.v1 import checkpoint_pb2, cluster_pb2
 
-from . import errors, paging, rate_limits, validation
+from . import errors, paging, rate_limits, shard_rules, validation
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
 from .view import ClusterView
@@ -75,7 +75,8 @@ def _check(job: str, step: int) -> tuple[str, int]:
 
 class CatalogKeeper:
     def __init__(self, state: LeaderState, metrics: CoordinatorMetrics,
-                 wall: Callable[[], float] = time.time, limiter: rate_limits.WriteLimiter | None = None) -> None:
+                 wall: Callable[[], float] = time.time, limiter: rate_limits.WriteLimiter | None = None,
+                 step_slack: int = 1000, unmanaged_jobs: bool = False) -> None:
         self.state = state
         self.limiter = limiter or rate_limits.WriteLimiter()
         self._series: set[str] = set()  # jobs whose gauges are published
@@ -86,6 +87,10 @@ class CatalogKeeper:
         # (job, the saving epoch and round) -> the first step not to record: a step anomaly is being rolled back,
         # and every checkpoint from it on would be suspect (coordinator/rollbacks.py sets it)
         self.held: Callable[[str, int, int | None], int | None] = lambda job, epoch, round_: None
+        # node -> the node mirroring its memory snapshots (coordinator/buddies.py), set by the controller
+        self.buddy_of: Callable[[str], str | None] = lambda node: None
+        self.step_slack = step_slack  # shard_rules.progress_limit: steps a commit may run ahead of the progress
+        self.unmanaged_jobs = unmanaged_jobs  # jobs with no round may be committed (shard_rules.Unmanaged)
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -177,6 +182,7 @@ class CatalogKeeper:
         self.limiter.check("CommitShard/mem" if mem else "CommitShard", rate_limits.shard_writer(request.location,
                            manifest.rank), rate_limits.MEMORY_TIER_SCALE if mem else 1.0)
         async with self._lock:
+            self._may_commit(caller, manifest)  # before anything is judged, changed or deleted
             records = self._records()
             if manifest.job not in {j for j, _ in records} and \
                     len({j for j, _ in records}) >= validation.MAX_CATALOG_JOBS:
@@ -228,6 +234,37 @@ class CatalogKeeper:
                                                     record.job, record.step, record.world_size, record.total_bytes)
             return checkpoint_pb2.CommitShardResponse(checkpoint=rules.to_info(record), message=what)
 
+    def _may_commit(self, caller: Identity | None, manifest: ShardManifest) -> None:
+        """:func:`~.shard_rules.may_commit` for a node caller; raises :class:`~.errors.Forbidden`."""
+        if caller is None or caller.kind not in NODE_KINDS:
+            return
+        view = self.state.require_leader()
+        job = view.jobs.get(manifest.job)
+        members = job.members if job is not None else ()
+        progress = [rt.progress.step for n in members
+                    if (rt := view.runtime.get(n)) is not None and rt.progress is not None]
+        committed = [s for (j, s) in view.catalog if j == manifest.job]
+        unmanaged = shard_rules.Unmanaged(view.world.epoch, caller.name in view.nodes) \
+            if self.unmanaged_jobs else None
+        verdict = shard_rules.may_commit(caller.name, job, manifest.job, manifest.step, manifest.epoch, manifest.rank,
+                                         manifest.world_size,
+                                         shard_rules.progress_limit(progress, committed, self.step_slack), unmanaged)
+        if not verdict.allowed:
+            raise errors.Forbidden(verdict.rule, verdict.reason)
+
+    def _may_record(self, caller: Identity | None, record: rules.CheckpointRecord,
+                    request: checkpoint_pb2.RecordCopyRequest, corrupt: bool) -> None:
+        """:func:`~.shard_rules.may_record` for a node caller; raises :class:`~.errors.Forbidden`."""
+        if caller is None or caller.kind not in NODE_KINDS:
+            return
+        view = self.state.require_leader()
+        restorable = [r for (j, _), r in view.catalog.items() if j == record.job and r.restorable]
+        verdict = shard_rules.may_record(caller.name, view.jobs.get(record.job), record, request.rank, request.tier,
+                                         request.location, request.present, corrupt, self.buddy_of,
+                                         max(restorable, key=lambda r: r.step, default=None))
+        if not verdict.allowed:
+            raise errors.Forbidden(verdict.rule, verdict.reason)
+
     def _check_round(self, manifest: ShardManifest, round_: int | None) -> None:
         """A shard saved in a round the job has left (a worker of a failed round still writing) is
         refused: its timeline is abandoned, and its commit would mix into the new round's steps."""
@@ -261,6 +298,7 @@ class CatalogKeeper:
             if request.rank not in record.shards:
                 raise errors.CheckpointNotFound(job, step, request.rank)
             shard = record.shards[request.rank]
+            self._may_record(caller, record, request, bool(corrupt))
             copy = (request.tier, request.location)
             if corrupt:
                 new = rules.drop_copy(record, request.rank, request.tier, request.location, corrupt)

@@ -80,7 +80,9 @@ class Controller:
         self.membership = Membership(self.committer, settings, self.metrics, self.wake, clock, wall, self.limiter)
         self.jobs = JobKeeper(self.committer, round_started=self._round_started,
                               push_all=self.membership.push_all, wake=self.wake, wall=wall, limiter=self.limiter)
-        self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter)
+        self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter, settings.commit_step_slack,
+                                     settings.unmanaged_jobs)
+        self.catalog.buddy_of = self.membership.buddy_of
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.stragglers = StragglerWatch(self.committer, settings.straggler, self.metrics, self.drains.drain, clock,
                                          wall)

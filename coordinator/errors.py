@@ -123,6 +123,15 @@ class RoundConflict(CoordinatorError):
         self.job = job
 
 
+class Forbidden(CoordinatorError):
+    """A node asked for what the job's state does not let it do (a rank it does not hold, another
+    epoch's shard): ``rule`` names the rule (coordinator/shard_rules.py), the message says why."""
+
+    def __init__(self, rule: str, why: str) -> None:
+        super().__init__(why)
+        self.rule = rule
+
+
 class NodeFenced(CoordinatorError):
     """The node was removed from the world; what was asked of it (a drain) no longer applies."""
 
@@ -148,6 +157,7 @@ GRPC_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     JobNotFound: grpc.StatusCode.NOT_FOUND,
     RoundConflict: grpc.StatusCode.FAILED_PRECONDITION,
     NodeFenced: grpc.StatusCode.FAILED_PRECONDITION,
+    Forbidden: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

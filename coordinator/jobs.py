@@ -113,8 +113,12 @@ class JobKeeper:
             view = self.state.require_leader()
             if node not in view.nodes:
                 raise errors.NodeNotFound(node)
-            evict = self._room_for(job)
             before = view.jobs.get(job)
+            if before is None and node in view.world.ranks and \
+                    rules.created_by(view.jobs.values(), node) >= rules.MAX_JOBS_PER_NODE:
+                raise errors.TooMany(f"node {node} created {rules.MAX_JOBS_PER_NODE} open jobs already; job {job} is "
+                                     "refused until an operator closes one (ftctl)")
+            evict = self._room_for(job) if node in view.world.ranks else []
             suspects = {n for n, v in view.verdicts.items() if v.state is not State.ALIVE}
             try:
                 on_no_spare = rules.check_on_no_spare(req.on_no_spare)
@@ -124,6 +128,8 @@ class JobKeeper:
                                       req.last_round, req.min_nodes or 1, req.max_restarts or 10, suspects,
                                       planned=view.world.handed_over, on_no_spare=on_no_spare,
                                       target_size=view.world.target_size)
+            if before is None and node not in view.world.ranks:
+                return round_info(state, reply)  # a spare's join creates no job record
             await self._save(before, state, f"{node} joins {job}: {reply.status}: {reply.message}", evict)
             return round_info(state, reply)
 

@@ -206,6 +206,11 @@ class Membership:
 
     # ---- buddies and peer addresses ----------------------------------------------------------
 
+    def buddy_of(self, node_id: str) -> str | None:
+        """The node mirroring ``node_id``'s memory snapshots as of the last tick (None: none chosen)."""
+        buddy = self._buddies.get(node_id)
+        return buddy.node_id if buddy is not None else None
+
     def peers_of(self, view: ClusterView, node_id: str) -> buddies.PeerSet:
         """What ``node_id`` is told in ``Assignment.peers``: its buddy and the addresses it needs."""
         label = self.settings.domain_label

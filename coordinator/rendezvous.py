@@ -8,7 +8,12 @@ per job): which round a node joins, with which rank, and when the job is over.
   takes the dead node's, so per-rank checkpoints map one to one.
 * **The restart budget is the job's**, not a node's: every round started because of a failure (a
   node's restart, a member lost from the world) counts, so a node leaving and rejoining cannot reset
-  it (pytorch issue 147064). Past ``max_restarts`` the job is closed with the reason.
+  it (pytorch issue 147064). Past ``max_restarts`` the job is closed with the reason. It counts
+  incidents, not calls: a node asking again before every member joined the current round joins that
+  round (the same incident), so one node's repeated joins cannot spend the budget.
+* **Only a node of the world creates a job**: a spare's join of a job that does not exist waits
+  without a record (spares filled the job table), and :func:`created_by` bounds how many open jobs
+  one node created (:data:`MAX_JOBS_PER_NODE`).
 * A node not in the world (a spare) **waits** and disturbs nobody; so does everybody while the world
   is smaller than ``min_nodes``, with the reason given.
 * **No spare for a lost node** (the world is below its target size): the job's ``on_no_spare`` says
@@ -51,6 +56,9 @@ class JobState:
     rollbacks: int = 0  # rollbacks past a step anomaly (coordinator/rollback_rules.py), not restarts
     last_rollback: str = ""  # the key of the anomaly the last rollback answered (Seen.key)
     skip_until: int = -1  # with skip_batches: the restored job skips the data of the steps up to this one
+    joined: tuple[str, ...] = ()  # the members answered READY in this round (it formed once every one is)
+    created_by: str = ""  # the node whose join created the job (a node creates at most MAX_JOBS_PER_NODE)
+    created_unix_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,11 +74,19 @@ def _advance(now_unix: float, state: JobState, epoch: int, world: Sequence[str],
              failure: bool) -> JobState:
     restarts = state.restarts + (1 if failure else 0)
     new = replace(state, round=state.round + 1, epoch=epoch, members=tuple(world), store_address="",
-                  restarts=restarts, round_reason=why, round_unix_s=now_unix)
+                  restarts=restarts, round_reason=why, round_unix_s=now_unix, joined=())
     if restarts > state.max_restarts:
         new = replace(new, closed=True, closed_reason=f"restart budget of job {state.job} exhausted: {restarts} "
                                                       f"restarts > max_restarts {state.max_restarts} (last: {why})")
     return new
+
+
+MAX_JOBS_PER_NODE = 4  # open jobs one node may have created (a cluster runs one job; a few for a hand-over)
+
+
+def created_by(jobs: Collection[JobState], node_id: str) -> int:
+    """How many open jobs ``node_id`` created."""
+    return sum(1 for j in jobs if j.created_by == node_id and not j.closed)
 
 
 def check_on_no_spare(value: str) -> str:
@@ -104,14 +120,17 @@ def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: S
 
     ``on_no_spare`` (the job's setting, taken from its first join) and ``target_size`` (the size the
     world should have, the membership's): a ``wait`` job does not run on a world below it."""
+    if node_id not in world:  # before a job is created: a spare (or a stranger) creates no job
+        if state is not None and state.closed:
+            return state, Reply(CLOSED, state.closed_reason or f"job {job} is closed")
+        return state or JobState(job), Reply(WAIT, f"node {node_id} holds no rank in epoch {epoch}: a spare waits "
+                                                   "until it is promoted", spare=True)
     if state is None:
         state = JobState(job, round=0, epoch=epoch, members=tuple(world), max_restarts=max_restarts,
-                         min_nodes=max(1, min_nodes), round_unix_s=now_unix, on_no_spare=check_on_no_spare(on_no_spare))
+                         min_nodes=max(1, min_nodes), round_unix_s=now_unix, on_no_spare=check_on_no_spare(on_no_spare),
+                         created_by=node_id, created_unix_s=now_unix)
     if state.closed:
         return state, Reply(CLOSED, state.closed_reason or f"job {job} is closed")
-    if node_id not in world:
-        return state, Reply(WAIT, f"node {node_id} holds no rank in epoch {epoch}: a spare waits until it is "
-                                  "promoted", spare=True)
     if len(world) < state.min_nodes:
         return state, Reply(WAIT, f"the world has {len(world)} node(s) and job {job} needs at least "
                                   f"{state.min_nodes}: waiting for a spare or a returning node")
@@ -132,6 +151,10 @@ def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: S
         # the store. Everybody moves to a new round with a fresh store (not a new failure).
         state = _advance(now_unix, state, epoch, world,
                          f"{node_id}, the store host of round {state.round}, restarted", failure=False)
+    elif last_round >= state.round and not set(state.members) <= set(state.joined):
+        # The round has not formed yet (not every member was answered): asking again is the same
+        # incident, not a new one. The node joins the round being formed; the budget is not charged.
+        pass
     elif last_round >= state.round:
         suspected = sorted(set(state.members) & set(suspects))
         if suspected:
@@ -141,6 +164,8 @@ def join(now_unix: float, state: JobState | None, job: str, epoch: int, world: S
                          failure=True)
     if state.closed:
         return state, Reply(CLOSED, state.closed_reason)
+    if node_id not in state.joined:
+        state = replace(state, joined=(*state.joined, node_id))
     return state, Reply(READY, f"round {state.round} ({state.round_reason})", world.index(node_id), len(world))
 
 
@@ -178,6 +203,7 @@ def encode(state: JobState) -> bytes:
 def decode(raw: bytes) -> JobState:
     data: dict[str, Any] = json.loads(raw)
     data["members"] = tuple(data.get("members", ()))
+    data["joined"] = tuple(data.get("joined", ()))
     known = {f.name for f in fields(JobState)}
     return JobState(**{k: v for k, v in data.items() if k in known})  # a newer leader's fields are dropped
 

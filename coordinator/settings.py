@@ -96,6 +96,13 @@ class CoordinatorSettings:
     fingerprint_confirmations: int = setting(
         2, "replica fingerprint comparisons in a row where the same ranks disagree before a silent data corruption "
            "is acted on (anomaly_action=rollback: their nodes fenced, the job rolled back)", "comparisons")
+    unmanaged_jobs: bool = setting(
+        False, "nodes may commit checkpoints of jobs that did not rendezvous through ftd (no round says who holds "
+               "which rank): any registered node commits any rank of them, bound only by the world's epoch. For a "
+               "trusted fleet; off, only a round's members commit, each its own ranks (docs/security.md)")
+    commit_step_slack: int = setting(
+        1000, "a node's shard may be at most this many steps newer than the job's newest reported step or checkpoint "
+              "(heartbeats lag the saves); a step beyond is refused (docs/security.md)", "steps")
     fenced_node_retention_s: float = setting(
         86400.0, "a fenced node's record is deleted this long after its fence (0: kept for ever)", "s")
     write_rate_per_node_s: float = setting(
@@ -148,6 +155,7 @@ class CoordinatorSettings:
         require(self.etcd_max_txn_ops >= 32, "etcd_max_txn_ops", f"must be >= 32 (got {self.etcd_max_txn_ops})")
         require(self.spare_health_max_age_s > 0, "spare_health_max_age_s",
                 f"must be > 0 (got {self.spare_health_max_age_s})")
+        require(self.commit_step_slack >= 0, "commit_step_slack", f"must be >= 0 (got {self.commit_step_slack})")
         require(self.fenced_node_retention_s >= 0, "fenced_node_retention_s",
                 f"must be >= 0 (got {self.fenced_node_retention_s})")
         require(self.write_rate_per_node_s >= 0, "write_rate_per_node_s",

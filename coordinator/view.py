@@ -107,10 +107,17 @@ class ClusterView:
         return max((r.step for (j, _), r in self.catalog.items() if j == job and r.restorable), default=-1)
 
     def current_job(self) -> rendezvous.JobState | None:
-        """The cluster's training job: the open one (one job per ftd cluster), else the last closed."""
-        open_jobs = sorted((j for j in self.jobs.values() if not j.closed), key=lambda j: j.job)
+        """The cluster's training job (one per ftd cluster): among the open ones, the one the most
+        members of the world joined in its current round, then the oldest; else the last closed. Not
+        the first by name: a job a node made up must not become the one every assignment names."""
+        world = set(self.world.ranks)
+
+        def weight(j: rendezvous.JobState) -> tuple[int, float, str]:
+            return len(world.intersection(j.joined)), -j.created_unix_s, j.job
+
+        open_jobs = [j for j in self.jobs.values() if not j.closed]
         if open_jobs:
-            return open_jobs[0]
+            return max(open_jobs, key=weight)
         return max(self.jobs.values(), key=lambda j: j.round, default=None)
 
     def set_world(self, world: World, revision: int) -> None:

@@ -18,8 +18,10 @@ from ftd.ftctl.localcluster import ClusterFile, stop, up
 def local_cluster(tmp_path: Path) -> Iterator[ClusterFile]:
     """A whole local cluster (etcd, one coordinator, 2 active + 1 spare agents) as real processes, secure
     as ``ftctl up`` makes it (mTLS, the authorization table, etcd with client certificates and auth):
-    dial it with ``cluster.client()`` or ``tls=cluster.operator`` / ``cluster.identity(kind, name)``."""
-    cluster = up(tmp_path / "cluster", nodes=2, spares=1)
+    dial it with ``cluster.client()`` or ``tls=cluster.operator`` / ``cluster.identity(kind, name)``. Its
+    tests save checkpoints of jobs that never rendezvous (a Checkpointer per rank, no torchrun): the
+    coordinator allows them (``unmanaged_jobs``; off by default, docs/security.md)."""
+    cluster = up(tmp_path / "cluster", nodes=2, spares=1, extra_coordinator_args=["--unmanaged-jobs"])
     try:
         yield cluster
     finally:

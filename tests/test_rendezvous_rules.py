@@ -9,6 +9,14 @@ W = ("a", "b")
 NOW = 1_700_000_000.0  # wall-clock seconds: the rules read no clock of their own
 
 
+def formed(job: str = "job", max_restarts: int = 10) -> rdzv.JobState:
+    """Round 0 of ``job`` joined by every member of W."""
+    state, _ = rdzv.join(NOW, None, job, 2, W, "a", -1, 2, max_restarts)
+    state, _ = rdzv.join(NOW, state, job, 2, W, "b", -1, 2, max_restarts)
+    assert state.joined == W
+    return state
+
+
 def test_first_round_and_stable_ranks() -> None:
     state, reply = rdzv.join(NOW, None, "job", 2, W, "b", -1, 2, 10)
     assert reply.status == rdzv.READY and reply.rank == 1 and reply.world_size == 2 and state.round == 0
@@ -23,7 +31,7 @@ def test_a_spare_waits_without_disturbing_the_round() -> None:
 
 
 def test_promoted_spare_takes_the_dead_rank_in_a_new_round_counted_once() -> None:
-    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 10)
+    state = formed()
     # b's workers failed when a died: it waits for the verdict instead of restarting the round.
     same, reply = rdzv.join(NOW, state, "job", 2, W, "b", 0, 2, 10, suspects={"a"})
     assert reply.status == rdzv.WAIT and "a is suspect" in reply.message and same == state
@@ -35,7 +43,7 @@ def test_promoted_spare_takes_the_dead_rank_in_a_new_round_counted_once() -> Non
 
 
 def test_a_local_restart_starts_a_round_and_spends_the_job_budget() -> None:
-    state, _ = rdzv.join(NOW, None, "job", 2, W, "a", -1, 2, 1)
+    state = formed(max_restarts=1)
     state, reply = rdzv.join(NOW, state, "job", 2, W, "a", 0, 2, 1)
     assert reply.status == rdzv.READY and state.round == 1 and state.restarts == 1
     state, reply = rdzv.join(NOW, state, "job", 2, W, "b", 0, 2, 1)  # b follows into round 1: no extra count
@@ -45,6 +53,26 @@ def test_a_local_restart_starts_a_round_and_spends_the_job_budget() -> None:
     assert reply.status == rdzv.CLOSED and "restart budget of job job exhausted" in reply.message
     _, again = rdzv.join(NOW, state, "job", 2, W, "a", -1, 2, 1)
     assert again.status == rdzv.CLOSED
+
+
+def test_repeated_joins_before_the_round_formed_are_one_incident() -> None:
+    """A compromised member asking again and again (last_round = the current round) used to start a
+    round and charge the budget each time: six calls closed the job."""
+    state = formed(max_restarts=3)
+    state, reply = rdzv.join(NOW, state, "job", 2, W, "b", 0, 2, 3)  # a real restart: counted
+    assert reply.status == rdzv.READY and state.round == 1 and state.restarts == 1
+    for _ in range(6):  # a has not joined round 1 yet: b's calls are the same incident
+        state, reply = rdzv.join(NOW, state, "job", 2, W, "b", 1, 2, 3)
+        assert reply.status == rdzv.READY and reply.rank == 1
+    assert state.round == 1 and state.restarts == 1 and not state.closed
+
+
+def test_a_spare_creates_no_job_and_a_node_creates_few() -> None:
+    state, reply = rdzv.join(NOW, None, "junk", 2, W, "s", -1, 2, 10)
+    assert reply.status == rdzv.WAIT and reply.spare and state.round == 0 and not state.members
+    made, _ = rdzv.join(NOW, None, "real", 2, W, "a", -1, 2, 10)
+    assert made.created_by == "a" and made.created_unix_s == NOW
+    assert rdzv.created_by([made, rdzv.close(formed("other"), "done")], "a") == 1
 
 
 def test_too_few_nodes_waits_and_says_why() -> None:
