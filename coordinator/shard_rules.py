@@ -123,9 +123,9 @@ def may_record(caller: str, job: JobState | None, record: ckpt.CheckpointRecord,
 
     * At its own location a node drops its copies and reports them corrupt freely: its own bytes.
     * A new copy (at its own location or a shared one), or a corrupt mark on a shared copy, only from
-      the node holding the rank in the current round (a promoted spare restoring it included), that
-      holder's buddy (the memory-tier mirror, ``buddy_of``), or a node with a copy of the shard at its
-      own location already (moving its own bytes between its tiers and up to the shared ones).
+      the node holding the rank in the current round (a promoted spare restoring it included) or a
+      node with a copy of the shard at its own location already (moving its own bytes between its
+      tiers and up to the shared ones); the holder's buddy (``buddy_of``) records its memory replica.
     * A drop of a shared copy from one of those too, and never the last good copy of a rank of
       ``newest_restorable`` (retention deletes only steps older than the kept ones)."""
     what = f"node {caller} may not record the copy of {record.job} step {record.step} rank {rank} on {tier}@{location}"
@@ -135,9 +135,11 @@ def may_record(caller: str, job: JobState | None, record: ckpt.CheckpointRecord,
         return _OK
     owner = holder(job, record.world_size, rank) if job is not None else None
     mine = shard is not None and any(c.location == caller for c in shard.copies)
-    if not (owner == caller or (owner is not None and buddy_of(owner) == caller) or mine):
+    mirror = own and tier == ckpt.MEMORY and owner is not None and buddy_of(owner) == caller
+    if not (owner == caller or mine or mirror):
         held = f"rank {rank} is held by {owner}" if owner else f"job {record.job} has no round holding rank {rank}"
-        return _deny(COPY_OWNER, f"{what}: {held}, {caller} is not its buddy and holds no copy of it")
+        return _deny(COPY_OWNER, f"{what}: {held}; {caller} holds no copy of it"
+                                 + ("" if own and tier == ckpt.MEMORY else " (a buddy records only its memory replica)"))
     if not present and location in SHARED and shard is not None and newest_restorable is not None \
             and newest_restorable.step == record.step:
         others = [c for c in shard.good_copies() if c != ckpt.CopyRef(tier, location)]

@@ -67,6 +67,9 @@ def test_copies_are_recorded_by_the_holder_its_buddy_or_a_node_holding_one() -> 
     stranger = rules.may_record("node-2", JOB, rec, 0, "mem", "node-2", True, False, buddy, None)
     assert not stranger.allowed and stranger.rule == "copy_owner" and "held by node-0" in stranger.reason
     assert not rules.may_record("node-2", JOB, rec, 0, "hdd", "shared", True, True, buddy, None).allowed
+    # the buddy mirrors; it does not judge the shared copies of a rank it does not hold
+    assert not rules.may_record("node-1", JOB, rec, 0, "hdd", "shared", True, True, buddy, None).allowed
+    assert not rules.may_record("node-1", JOB, rec, 0, "ssd", "node-1", True, False, buddy, None).allowed
     # a node that holds a copy (a rank it held before a world change) moves it up
     moved = record(10, {0: {("ssd", "node-5")}})
     assert rules.may_record("node-5", JOB, moved, 0, "s3", "s3", True, False, no_buddy, None).allowed
