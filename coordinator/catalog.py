@@ -32,6 +32,7 @@ from ftd.identity import Identity
 from ftd.v1 import checkpoint_pb2, cluster_pb2
 
 from . import errors, paging, rate_limits, shard_rules, validation
+from . import rendezvous as rules_job
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
 from .view import ClusterView
@@ -400,6 +401,29 @@ class CatalogKeeper:
         return checkpoint_pb2.RestoreTarget(found=True, checkpoint=rules.to_info(target), reason=why,
                                             resharded=bool(world_size) and target.world_size != world_size,
                                             skip_until_step=skip)
+
+    async def forget(self, request: checkpoint_pb2.ForgetJobRequest,
+                     job_state: rules_job.JobState | None) -> checkpoint_pb2.ForgetJobResponse:
+        """An operator removes every record of a job from the catalog (``job_state``: its rendezvous
+        record, which must be closed or absent: a running job's checkpoints are not forgotten)."""
+        job, _ = _check(request.job, 0)
+        reason = validation.clip(validation.one_line(request.reason), 300) or "forgotten by an operator"
+        if job_state is not None and not job_state.closed:
+            raise errors.CatalogConflict(f"job {job} is open (round {job_state.round}): close it first (ftctl), "
+                                         "then forget its checkpoints")
+        async with self._lock:
+            view = self.state.require_leader()
+            records = sorted((r for (j, _), r in view.catalog.items() if j == job), key=lambda r: r.step)
+            if not records and job not in view.rollbacks:
+                raise errors.NoCheckpoints(job)
+            await self._delete(records, f"{job}: checkpoints forgotten ({reason}); steps "
+                                        f"{[r.step for r in records][:10]}")
+            if job in view.rollbacks:
+                await self._save("checkpoint", {}, [rules.rollback_key(job)], None, [])
+                view.rollbacks.pop(job, None)
+            self.publish_gauges()
+            log.warning("job %s: %d checkpoints forgotten (%s)", job, len(records), reason)
+            return checkpoint_pb2.ForgetJobResponse(removed_steps=[r.step for r in records])
 
     async def rollback(self, request: checkpoint_pb2.RollbackRequest) -> checkpoint_pb2.RollbackResponse:
         job, step = _check(request.job, request.step)

@@ -98,6 +98,14 @@ class CheckpointNotFound(CoordinatorError):
         self.job, self.step, self.rank = job, step, rank
 
 
+class NoCheckpoints(CheckpointNotFound):
+    """The catalog holds no record of the job at all."""
+
+    def __init__(self, job: str) -> None:
+        CoordinatorError.__init__(self, f"the catalog holds no checkpoint of job {job}")
+        self.job, self.step, self.rank = job, -1, None
+
+
 class ShardExists(CoordinatorError):
     """A rank re-commits a step with other bytes: a step is never rewritten."""
 

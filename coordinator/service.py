@@ -105,6 +105,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                        context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RollbackResponse:
         return await self._unary(context, lambda: self.ctl.catalog.rollback(request))
 
+    async def ForgetJob(self, request: checkpoint_pb2.ForgetJobRequest,
+                        context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.ForgetJobResponse:
+        def job_state() -> Any:
+            view = self.ctl.committer.view
+            return view.jobs.get(request.job) if view is not None else None
+        return await self._unary(context, lambda: self.ctl.catalog.forget(request, job_state()))
+
     # ---- the training job's rendezvous ------------------------------------------------------------
 
     async def JoinRound(self, request: coordinator_pb2.JoinRoundRequest,

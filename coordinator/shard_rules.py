@@ -138,8 +138,8 @@ def may_record(caller: str, job: JobState | None, record: ckpt.CheckpointRecord,
     mirror = own and tier == ckpt.MEMORY and owner is not None and buddy_of(owner) == caller
     if not (owner == caller or mine or mirror):
         held = f"rank {rank} is held by {owner}" if owner else f"job {record.job} has no round holding rank {rank}"
-        return _deny(COPY_OWNER, f"{what}: {held}; {caller} holds no copy of it"
-                                 + ("" if own and tier == ckpt.MEMORY else " (a buddy records only its memory replica)"))
+        buddy = "" if own and tier == ckpt.MEMORY else " (a buddy records only its memory replica)"
+        return _deny(COPY_OWNER, f"{what}: {held}; {caller} holds no copy of it{buddy}")
     if not present and location in SHARED and shard is not None and newest_restorable is not None \
             and newest_restorable.step == record.step:
         others = [c for c in shard.good_copies() if c != ckpt.CopyRef(tier, location)]

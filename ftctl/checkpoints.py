@@ -73,6 +73,11 @@ def rollback(client: CoordinatorClient, job: str, step: int) -> dict[str, Any]:
     return {"job": job, "restore_target": resp.target.step, "removed_steps": list(resp.removed_steps)}
 
 
+def forget(client: CoordinatorClient, job: str, reason: str) -> dict[str, Any]:
+    resp = client.call("ForgetJob", checkpoint_pb2.ForgetJobRequest(job=job, reason=reason), idempotent=True)
+    return {"job": job, "removed_steps": list(resp.removed_steps)}
+
+
 def _agent_for(nodes: dict[str, Any], location: str) -> Any:
     """The agent that can read a copy: its own node for node-local tiers, any alive one for shared."""
     if location in nodes:

@@ -136,6 +136,11 @@ def _parser() -> argparse.ArgumentParser:
     ck_verify.add_argument("step", type=int)
     ck_rb = cks.add_parser("rollback", parents=[common], help="make STEP the restore target of the next (re)start")
     ck_rb.add_argument("--to", type=int, required=True, dest="to_step")
+    ck_forget = cks.add_parser("forget", parents=[common],
+                               help="remove every catalog record of JOB (closed; the files stay on the tiers)")
+    ck_forget.add_argument("forget_job", metavar="JOB")
+    ck_forget.add_argument("--reason", default="", help="why, for the event log")
+    ck_forget.add_argument("--json", action="store_true")
     ck_mig = cks.add_parser("migrations", parents=[common], help="migrations between tiers, with progress bars")
     ck_mig.add_argument("--watch", type=float, default=0.0, help="keep refreshing for this many seconds")
     for cmd in (ck_list, ck_verify, ck_rb, ck_mig):
@@ -469,6 +474,13 @@ def _checkpoints(client: CoordinatorClient, args: argparse.Namespace) -> int:
             _print_json(checkpoints.migrations(client))
         else:
             checkpoints.watch_migrations(client, args.watch)
+        return 0
+    if args.ck_command == "forget":
+        result = checkpoints.forget(client, args.forget_job, args.reason)
+        if args.json:
+            _print_json(result)
+        else:
+            print(f"job {result['job']}: forgot steps {result['removed_steps'] or 'none'}")
         return 0
     job = checkpoints.resolve_job(client, args.job)
     if args.ck_command == "list":

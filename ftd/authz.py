@@ -33,8 +33,8 @@ NODE_ONLY = Rule("node_only", "only a node's agent (or its rendezvous handler, f
 NODE_SELF = Rule("node_self", "nodes act only as themselves")
 JOB_MEMBER = Rule("job_member", "nodes report hangs only for jobs they are members of")
 ROUND_RANK0 = Rule("round_rank0", "only the round's rank 0 publishes its store, at its registered host")
-OPERATOR_ONLY = Rule("operator_only", "only operators close jobs, roll back, invalidate checkpoints, verify copies, "
-                                       "clear GPU faults and run drills")
+OPERATOR_ONLY = Rule("operator_only", "only operators close jobs, roll back, invalidate checkpoints, forget a job's "
+                                       "checkpoints, verify copies, clear GPU faults and run drills")
 LOCAL_ONLY = Rule("local_only", "only the training process on this node, over the agent's Unix socket")
 AGENT_PEERS = Rule("agent_peers", "only the cluster's agents stream checkpoint shards to each other")
 
@@ -110,6 +110,7 @@ TABLE: dict[str, Policy] = {
     _C + "ListCheckpoints": Policy(READERS, READ),
     _C + "GetRestoreTarget": Policy(READERS, READ),
     _C + "Rollback": Policy(_OPERATOR, OPERATOR_ONLY),
+    _C + "ForgetJob": Policy(_OPERATOR, OPERATOR_ONLY),
     _C + "JoinRound": Policy(_NODE_OR_RDZV, NODE_ONLY, "node_id"),
     _C + "GetRound": Policy(READERS, READ),
     _C + "GetGoodput": Policy(READERS, READ),

@@ -6,6 +6,7 @@ world and catalog stay as they were. The rules themselves: tests/test_shard_rule
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import grpc
@@ -13,6 +14,7 @@ import pytest
 from test_attacks import as_node, code, details, refused
 
 from ftd.client import CoordinatorClient
+from ftd.ftctl.cli import main as ftctl
 from ftd.ftctl.localcluster import ClusterFile, stop, up
 from ftd.v1 import checkpoint_pb2, coordinator_pb2
 
@@ -175,3 +177,28 @@ def test_repeated_joins_spend_one_restart_and_made_up_jobs_stay_few(
         assert status.status().job == JOB  # not the first by name
     finally:
         status.close()
+
+
+def test_only_an_operator_forgets_a_jobs_checkpoints_and_only_once_it_is_closed(
+        cluster: ClusterFile, job: Job, capsys: pytest.CaptureFixture[str]) -> None:
+    node0, node1 = job.node0, job.node1
+    first, second = join(node0, "node-0", job="old"), join(node1, "node-1", job="old")
+    commit(node0, "node-0", manifest(5, int(first.epoch), int(first.rank), "old"))
+    commit(node1, "node-1", manifest(5, int(second.epoch), int(second.rank), "old"))
+    assert catalog(cluster)[("old", 5)] == "valid"
+    denied_call = refused(node1.call, "ForgetJob", checkpoint_pb2.ForgetJobRequest(job=JOB), idempotent=True)
+    assert code(denied_call) is grpc.StatusCode.PERMISSION_DENIED and "only operators" in details(denied_call)
+    operator = cluster.client()
+    try:
+        running = refused(operator.call, "ForgetJob", checkpoint_pb2.ForgetJobRequest(job="old"), idempotent=True)
+        assert code(running) is grpc.StatusCode.FAILED_PRECONDITION and "close it first" in details(running)
+        operator.call("CloseJob", coordinator_pb2.CloseJobRequest(job="old", reason="made up"), idempotent=True)
+        capsys.readouterr()
+        assert ftctl(["checkpoints", "forget", "old", "--reason", "junk", "--json", "--workdir", cluster.workdir]) == 0
+        assert json.loads(capsys.readouterr().out) == {"job": "old", "removed_steps": [5]}
+        again = refused(operator.call, "ForgetJob", checkpoint_pb2.ForgetJobRequest(job="old"), idempotent=True)
+        assert code(again) is grpc.StatusCode.NOT_FOUND, details(again)
+    finally:
+        operator.close()
+    listed = catalog(cluster)
+    assert ("old", 5) not in listed and listed[(JOB, 10)] == "valid"

@@ -407,6 +407,49 @@ class RecordCopyResponse(_message.Message):
 Global___RecordCopyResponse: _TypeAlias = RecordCopyResponse  # noqa: Y015
 
 @_typing.final
+class ForgetJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    reason: _builtins.str
+    """why, for the event log"""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForgetJobRequest: _TypeAlias = ForgetJobRequest  # noqa: Y015
+
+@_typing.final
+class ForgetJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_STEPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def removed_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        removed_steps: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed_steps", b"removed_steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForgetJobResponse: _TypeAlias = ForgetJobResponse  # noqa: Y015
+
+@_typing.final
 class InvalidateCheckpointRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

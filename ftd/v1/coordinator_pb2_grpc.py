@@ -90,6 +90,11 @@ class CoordinatorStub:
                 request_serializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.FromString,
                 _registered_method=True)
+        self.ForgetJob = channel.unary_unary(
+                '/ftd.v1.Coordinator/ForgetJob',
+                request_serializer=ftd_dot_v1_dot_checkpoint__pb2.ForgetJobRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_checkpoint__pb2.ForgetJobResponse.FromString,
+                _registered_method=True)
         self.JoinRound = channel.unary_unary(
                 '/ftd.v1.Coordinator/JoinRound',
                 request_serializer=ftd_dot_v1_dot_coordinator__pb2.JoinRoundRequest.SerializeToString,
@@ -206,6 +211,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetJob(self, request, context):
+        """An operator removes every catalog record of a job (a job a compromised node made up, or one that is
+        over); the files stay on the tiers. FAILED_PRECONDITION while the job's round is open (close it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def JoinRound(self, request, context):
         """Rendezvous of the training job (torchrun --rdzv-backend=ftd). Ranks are the world's node ranks
         of the current epoch; a round is one formation of the job, moving on at every epoch change and
@@ -316,6 +329,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.SerializeToString,
+            ),
+            'ForgetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetJob,
+                    request_deserializer=ftd_dot_v1_dot_checkpoint__pb2.ForgetJobRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_checkpoint__pb2.ForgetJobResponse.SerializeToString,
             ),
             'JoinRound': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinRound,
@@ -650,6 +668,33 @@ class Coordinator:
             '/ftd.v1.Coordinator/Rollback',
             ftd_dot_v1_dot_checkpoint__pb2.RollbackRequest.SerializeToString,
             ftd_dot_v1_dot_checkpoint__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/ForgetJob',
+            ftd_dot_v1_dot_checkpoint__pb2.ForgetJobRequest.SerializeToString,
+            ftd_dot_v1_dot_checkpoint__pb2.ForgetJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,10 @@ class CoordinatorStub:
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.ListCheckpointsRequest, _checkpoint_pb2.ListCheckpointsResponse]
     GetRestoreTarget: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]
     Rollback: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.RollbackRequest, _checkpoint_pb2.RollbackResponse]
+    ForgetJob: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.ForgetJobRequest, _checkpoint_pb2.ForgetJobResponse]
+    """An operator removes every catalog record of a job (a job a compromised node made up, or one that is
+    over); the files stay on the tiers. FAILED_PRECONDITION while the job's round is open (close it).
+    """
     JoinRound: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRoundRequest, _coordinator_pb2.RoundInfo]
     """Rendezvous of the training job (torchrun --rdzv-backend=ftd). Ranks are the world's node ranks
     of the current epoch; a round is one formation of the job, moving on at every epoch change and
@@ -111,6 +115,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.ListCheckpointsRequest, _checkpoint_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     GetRestoreTarget: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.GetRestoreTargetRequest, _checkpoint_pb2.RestoreTarget]  # type: ignore[assignment]
     Rollback: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.RollbackRequest, _checkpoint_pb2.RollbackResponse]  # type: ignore[assignment]
+    ForgetJob: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.ForgetJobRequest, _checkpoint_pb2.ForgetJobResponse]  # type: ignore[assignment]
+    """An operator removes every catalog record of a job (a job a compromised node made up, or one that is
+    over); the files stay on the tiers. FAILED_PRECONDITION while the job's round is open (close it).
+    """
     JoinRound: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRoundRequest, _coordinator_pb2.RoundInfo]  # type: ignore[assignment]
     """Rendezvous of the training job (torchrun --rdzv-backend=ftd). Ranks are the world's node ranks
     of the current epoch; a round is one formation of the job, moving on at every epoch change and
@@ -224,6 +232,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _checkpoint_pb2.RollbackRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_checkpoint_pb2.RollbackResponse, _abc.Awaitable[_checkpoint_pb2.RollbackResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ForgetJob(
+        self,
+        request: _checkpoint_pb2.ForgetJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.ForgetJobResponse, _abc.Awaitable[_checkpoint_pb2.ForgetJobResponse]]:
+        """An operator removes every catalog record of a job (a job a compromised node made up, or one that is
+        over); the files stay on the tiers. FAILED_PRECONDITION while the job's round is open (close it).
+        """
 
     @_abc_1.abstractmethod
     def JoinRound(
