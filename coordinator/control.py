@@ -37,7 +37,7 @@ from .fingerprint_watch import FingerprintWatch
 from .gauges import AlarmWatch, Gauges
 from .goodput_watch import GoodputWatch, goodput_proto
 from .guard_metrics import guard_metrics
-from .jobs import JobKeeper
+from .jobs import JobKeeper, JobPolicy
 from .membership import Membership
 from .metrics import CoordinatorMetrics
 from .rollbacks import RollbackKeeper
@@ -79,7 +79,9 @@ class Controller:
             clock=clock, on_limited=self.security.count_limited)
         self.membership = Membership(self.committer, settings, self.metrics, self.wake, clock, wall, self.limiter)
         self.jobs = JobKeeper(self.committer, round_started=self._round_started,
-                              push_all=self.membership.push_all, wake=self.wake, wall=wall, limiter=self.limiter)
+                              push_all=self.membership.push_all, wake=self.wake, wall=wall, limiter=self.limiter,
+                              policy=JobPolicy(settings.job_min_nodes, settings.job_max_restarts,
+                                               settings.job_on_no_spare))
         self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter, settings.commit_step_slack,
                                      settings.unmanaged_jobs)
         self.catalog.buddy_of = self.membership.buddy_of

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ftd.checkpoints.layout import BadIdentifier, check_job
 from ftd.v1 import coordinator_pb2
@@ -51,11 +52,23 @@ def _existing(state: rules.JobState | None, job: str) -> rules.JobState:
     return state
 
 
+@dataclass(frozen=True)
+class JobPolicy:
+    """A job's parameters, from the coordinator's settings (the operator's): a join's own values are
+    not used, so the first node to join (a compromised one) cannot fix ``min_nodes = 2^32 - 1`` or a
+    budget of 0 for everybody."""
+
+    min_nodes: int = 1
+    max_restarts: int = 10
+    on_no_spare: str = rules.SHRINK
+
+
 class JobKeeper:
     def __init__(self, state: LeaderState, *, round_started: Callable[[int], None], push_all: Callable[[], None],
                  wake: Callable[[], None], wall: Callable[[], float] = time.time,
-                 limiter: rate_limits.WriteLimiter | None = None) -> None:
+                 limiter: rate_limits.WriteLimiter | None = None, policy: JobPolicy | None = None) -> None:
         self.state = state
+        self.policy = policy or JobPolicy()
         self.limiter = limiter or rate_limits.WriteLimiter()
         self.round_started = round_started  # called with the step the new round restores from (-1: none)
         self.on_round: Callable[[rules.JobState, rules.JobState, int], None] = lambda before, after, step: None
@@ -121,12 +134,13 @@ class JobKeeper:
             evict = self._room_for(job) if node in view.world.ranks else []
             suspects = {n for n, v in view.verdicts.items() if v.state is not State.ALIVE}
             try:
-                on_no_spare = rules.check_on_no_spare(req.on_no_spare)
+                rules.check_on_no_spare(req.on_no_spare)  # a bad value is still an error of the caller's
             except ValueError as exc:
                 raise errors.InvalidArgument("on_no_spare", str(exc)) from exc
+            policy = self.policy
             state, reply = rules.join(self.wall(), before, job, view.world.epoch, view.world.ranks, node,
-                                      req.last_round, req.min_nodes or 1, req.max_restarts or 10, suspects,
-                                      planned=view.world.handed_over, on_no_spare=on_no_spare,
+                                      req.last_round, policy.min_nodes, policy.max_restarts, suspects,
+                                      planned=view.world.handed_over, on_no_spare=policy.on_no_spare,
                                       target_size=view.world.target_size)
             if before is None and node not in view.world.ranks:
                 return round_info(state, reply)  # a spare's join creates no job record

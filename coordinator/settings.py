@@ -96,6 +96,14 @@ class CoordinatorSettings:
     fingerprint_confirmations: int = setting(
         2, "replica fingerprint comparisons in a row where the same ranks disagree before a silent data corruption "
            "is acted on (anomaly_action=rollback: their nodes fenced, the job rolled back)", "comparisons")
+    job_min_nodes: int = setting(
+        1, "a job's round forms only with at least this many nodes (what torchrun --nnodes MIN says; the "
+           "coordinator's, not the first joiner's)", "nodes")
+    job_max_restarts: int = setting(10, "restart budget of each job: failures (incidents) before it is closed",
+                                    "restarts")
+    job_on_no_spare: str = setting(
+        "shrink", "a node lost and no spare to take its rank: shrink (the job goes on with a smaller world, resharded) "
+                  "or wait (until the world is whole again)")
     unmanaged_jobs: bool = setting(
         False, "nodes may commit checkpoints of jobs that did not rendezvous through ftd (no round says who holds "
                "which rank): any registered node commits any rank of them, bound only by the world's epoch. For a "
@@ -155,6 +163,10 @@ class CoordinatorSettings:
         require(self.etcd_max_txn_ops >= 32, "etcd_max_txn_ops", f"must be >= 32 (got {self.etcd_max_txn_ops})")
         require(self.spare_health_max_age_s > 0, "spare_health_max_age_s",
                 f"must be > 0 (got {self.spare_health_max_age_s})")
+        require(self.job_min_nodes >= 1, "job_min_nodes", f"must be >= 1 (got {self.job_min_nodes})")
+        require(self.job_max_restarts >= 0, "job_max_restarts", f"must be >= 0 (got {self.job_max_restarts})")
+        require(self.job_on_no_spare in ("shrink", "wait"), "job_on_no_spare",
+                f"must be shrink or wait (got {self.job_on_no_spare!r})")
         require(self.commit_step_slack >= 0, "commit_step_slack", f"must be >= 0 (got {self.commit_step_slack})")
         require(self.fenced_node_retention_s >= 0, "fenced_node_retention_s",
                 f"must be >= 0 (got {self.fenced_node_retention_s})")

@@ -95,6 +95,11 @@ class TrainOptions:
     launcher: str = "warm"
     on_no_spare: str = "shrink"  # or "wait": what the job does when a node is lost and no spare is left
 
+    def coordinator_args(self, nodes: int) -> list[str]:
+        """The job's parameters are the coordinator's (the operator's), not whoever joins first."""
+        return ["--job-min-nodes", str(self.min_nodes or nodes), "--job-max-restarts", str(self.max_restarts),
+                "--job-on-no-spare", self.on_no_spare]
+
     def agent_args(self, nodes: int) -> list[str]:
         return ["--train-cmd", self.cmd, "--train-job", self.job, "--nproc-per-node", str(self.nproc_per_node),
                 "--min-nodes", str(self.min_nodes or nodes), "--max-nodes", str(max(nodes, self.min_nodes)),
@@ -303,7 +308,8 @@ def up(
             argv = [py, "-m", "ftd.coordinator.main", "--etcd-endpoints", cluster.etcd_endpoints,
                     "--listen", listen[0], "--metrics-listen", listen[1],
                     "--replica-id", f"coordinator-{i}", "--cluster", CLUSTER, "--pki-dir", str(pki_dir),
-                    *etcd_tls, "--ready-file", str(ready), *(extra_coordinator_args or [])]
+                    *etcd_tls, "--ready-file", str(ready), *(train.coordinator_args(nodes) if train else []),
+                    *(extra_coordinator_args or [])]
             proc = _spawn(isolated.wrap(iso, f"coordinator-{i}", argv) if iso else argv, log)
             cluster.coordinators.append(Proc(f"coordinator-{i}", proc.pid))
             cluster.save()

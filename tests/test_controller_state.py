@@ -15,7 +15,7 @@ from controller_harness import WALL, Clock, cluster, make, reg, run, step
 from ftd.checkpoints.layout import BadIdentifier, check_step
 from ftd.coordinator import errors, rendezvous
 from ftd.coordinator.control import Controller
-from ftd.coordinator.jobs import JobKeeper
+from ftd.coordinator.jobs import JobKeeper, JobPolicy
 from ftd.coordinator.model import NodeRecord, Role, World
 from ftd.coordinator.store import CommitResult, MemoryStore
 from ftd.coordinator.view import ClusterView
@@ -48,12 +48,15 @@ def test_job_keeper_needs_only_the_leader_state_and_says_what_went_wrong() -> No
             view.nodes[node_id] = NodeRecord(node_id, "h", Role.ACTIVE)
         view.set_world(World(epoch=1, ranks=("a", "b"), target_size=2), 1)
         jobs = JobKeeper(leader, round_started=rounds.append, push_all=lambda: pushes.append(1),
-                         wake=lambda: None, wall=lambda: WALL)
+                         wake=lambda: None, wall=lambda: WALL, policy=JobPolicy(min_nodes=2, max_restarts=4))
         with pytest.raises(errors.JobNotFound, match="job j has not rendezvoused yet") as missing:
             jobs.get("j")
         assert errors.grpc_code(missing.value) is grpc.StatusCode.NOT_FOUND
-        info = await jobs.join(coordinator_pb2.JoinRoundRequest(job="j", node_id="a", last_round=-1, min_nodes=2))
+        # the job's parameters are the policy's (the operator's), whatever the first join asks for
+        info = await jobs.join(coordinator_pb2.JoinRoundRequest(job="j", node_id="a", last_round=-1,
+                                                                min_nodes=2**32 - 1, max_restarts=0))
         assert info.status == coordinator_pb2.RoundInfo.READY and info.rank == 0 and leader.commits == ["job"]
+        assert (view.jobs["j"].min_nodes, view.jobs["j"].max_restarts) == (2, 4) and info.max_restarts == 4
         assert view.jobs["j"].round_unix_s == WALL and pushes == [1]
         with pytest.raises(errors.RoundConflict, match=r"only rank 0 \(a\)") as conflict:
             await jobs.set_store(coordinator_pb2.SetRoundStoreRequest(job="j", node_id="b", round=0, address="h:1"))

@@ -157,6 +157,7 @@ def test_repeated_joins_spend_one_restart_and_made_up_jobs_stay_few(
         cluster: ClusterFile, job: Job) -> None:
     node0, node1 = job.node0, job.node1
     start = node1.call("GetRound", coordinator_pb2.GetRoundRequest(job=JOB), idempotent=True)
+    assert start.max_restarts == 10  # the coordinator's job_max_restarts, not the 3 the first join asked for
     for _ in range(6):  # the attacker's "my workers failed" six times: one incident
         info = join(node1, "node-1", last_round=int(start.round) + 1)
         assert info.status == coordinator_pb2.RoundInfo.READY, info.message

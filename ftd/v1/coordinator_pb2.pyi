@@ -278,13 +278,16 @@ class JoinRoundRequest(_message.Message):
     last_round: _builtins.int
     """the round this node last ran in, -1 for none"""
     min_nodes: _builtins.int
+    """What the joining node was configured with (torchrun's --nnodes MIN:MAX, --max-restarts and the
+    rdzv-conf on_no_spare). Informational: a job's parameters are the coordinator's settings
+    (job_min_nodes, job_max_restarts, job_on_no_spare: the operator's), never the first joiner's.
+    """
     max_nodes: _builtins.int
     max_restarts: _builtins.int
-    """the job's restart budget (the first node to join sets it)"""
     on_no_spare: _builtins.str
-    """What the job does when a node is lost and no spare takes its rank (the first node to join sets
-    it): "shrink" (or ""): it goes on with the smaller world (not below min_nodes), restoring the
-    newest step resharded; "wait": it waits until the world is back to its target size.
+    """"shrink" (or ""): the job goes on with the smaller world (not below min_nodes), restoring the newest
+    step resharded; "wait": it waits until the world is back to its target size. A value other than
+    these is INVALID_ARGUMENT.
     """
     def __init__(
         self,
