@@ -173,6 +173,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="forget the XIDs that keep NODE unhealthy (after resetting the GPU), then check it")
     hc.add_argument("--json", action="store_true")
 
+    cj = sub.add_parser("close-job", help="close JOB: its nodes stop joining rounds (a finished or made-up job)")
+    cj.add_argument("job", metavar="JOB")
+    cj.add_argument("--reason", default="closed by ftctl", help="recorded in the event log and shown in status")
+
     dr = sub.add_parser("drain", help="hand NODE's rank over to a spare after a final checkpoint (maintenance)")
     dr.add_argument("node", metavar="NODE")
     dr.add_argument("--reason", default="ftctl drain", help="recorded in the event log and shown in status")
@@ -419,6 +423,11 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             _print_json(events) if args.json else print(render.events(events))
         elif args.command == "checkpoints":
             return _checkpoints(client, args)
+        elif args.command == "close-job":
+            info = client.call("CloseJob", coordinator_pb2.CloseJobRequest(job=args.job, reason=args.reason),
+                               idempotent=True)
+            print(f"job {info.job}: closed ({info.message})")
+            return 0
         elif args.command == "drain":
             return _drain(client, args)
         elif args.command == "health":

@@ -193,8 +193,8 @@ def test_only_an_operator_forgets_a_jobs_checkpoints_and_only_once_it_is_closed(
     try:
         running = refused(operator.call, "ForgetJob", checkpoint_pb2.ForgetJobRequest(job="old"), idempotent=True)
         assert code(running) is grpc.StatusCode.FAILED_PRECONDITION and "close it first" in details(running)
-        operator.call("CloseJob", coordinator_pb2.CloseJobRequest(job="old", reason="made up"), idempotent=True)
-        capsys.readouterr()
+        assert ftctl(["close-job", "old", "--reason", "made up", "--workdir", cluster.workdir]) == 0
+        assert "job old: closed (made up)" in capsys.readouterr().out
         assert ftctl(["checkpoints", "forget", "old", "--reason", "junk", "--json", "--workdir", cluster.workdir]) == 0
         assert json.loads(capsys.readouterr().out) == {"job": "old", "removed_steps": [5]}
         again = refused(operator.call, "ForgetJob", checkpoint_pb2.ForgetJobRequest(job="old"), idempotent=True)
