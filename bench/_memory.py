@@ -122,7 +122,7 @@ def memory_figures(args: argparse.Namespace, state: dict[str, Any], record: Call
     from ftd.waiting import wait_for
 
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-mem-", dir=args.mem_dir))
-    cluster = up(work / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False,
+    cluster = up(work / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False, unmanaged_jobs=True,
                  extra_agent_args=["--tiering-interval-s", "5"])
     client = cluster.client()
     sockets = {a.name: a.info["socket"] for a in cluster.agents}

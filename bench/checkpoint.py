@@ -217,7 +217,7 @@ def disk_figures(args: argparse.Namespace, state: dict[str, Any], size_bytes: in
 
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-ckpt-", dir=args.dir))
     moto, url = (None, "") if args.no_s3 else start_moto(work)
-    cluster = up(work / "cluster", nodes=1, spares=0, s3_endpoint=url, s3_bucket="ftd-bench",
+    cluster = up(work / "cluster", nodes=1, spares=0, s3_endpoint=url, s3_bucket="ftd-bench", unmanaged_jobs=True,
                  extra_agent_args=["--tiering-interval-s", "0.5"])
     client = CoordinatorClient(cluster.coordinator_endpoints, tls=cluster.operator)
 

@@ -174,7 +174,7 @@ def main() -> None:
     from ftd.ftctl.localcluster import stop, up
 
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-restore-", dir=args.mem_dir))
-    cluster = up(work / "cluster", nodes=1, spares=0, shared_hdd=False)
+    cluster = up(work / "cluster", nodes=1, spares=0, shared_hdd=False, unmanaged_jobs=True)
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

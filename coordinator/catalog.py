@@ -262,7 +262,7 @@ class CatalogKeeper:
         restorable = [r for (j, _), r in view.catalog.items() if j == record.job and r.restorable]
         verdict = shard_rules.may_record(caller.name, view.jobs.get(record.job), record, request.rank, request.tier,
                                          request.location, request.present, corrupt, self.buddy_of,
-                                         max(restorable, key=lambda r: r.step, default=None))
+                                         max(restorable, key=lambda r: r.step, default=None), self.unmanaged_jobs)
         if not verdict.allowed:
             raise errors.Forbidden(verdict.rule, verdict.reason)
 

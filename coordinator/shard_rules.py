@@ -116,7 +116,7 @@ def may_commit(caller: str, job: JobState | None, job_id: str, step: int, epoch:
 
 def may_record(caller: str, job: JobState | None, record: ckpt.CheckpointRecord, rank: int, tier: str,
                location: str, present: bool, corrupt: bool, buddy_of: Callable[[str], str | None],
-               newest_restorable: ckpt.CheckpointRecord | None) -> Verdict:
+               newest_restorable: ckpt.CheckpointRecord | None, unmanaged: bool = False) -> Verdict:
     """Whether node ``caller`` may record a fact about the copy of ``record``'s ``rank`` at
     ``tier``@``location`` (the transport already checked the location is the caller's own or shared):
     a copy present, dropped (``present`` False) or found corrupt.
@@ -125,7 +125,9 @@ def may_record(caller: str, job: JobState | None, record: ckpt.CheckpointRecord,
     * A new copy (at its own location or a shared one), or a corrupt mark on a shared copy, only from
       the node holding the rank in the current round (a promoted spare restoring it included) or a
       node with a copy of the shard at its own location already (moving its own bytes between its
-      tiers and up to the shared ones); the holder's buddy (``buddy_of``) records its memory replica.
+      tiers and up to the shared ones); the buddy (``buddy_of``) of a node holding a memory copy records
+      its memory replica. ``unmanaged``: a job with no round on a trusted fleet (``unmanaged_jobs``):
+      any node records copies at its own location.
     * A drop of a shared copy from one of those too, and never the last good copy of a rank of
       ``newest_restorable`` (retention deletes only steps older than the kept ones)."""
     what = f"node {caller} may not record the copy of {record.job} step {record.step} rank {rank} on {tier}@{location}"
@@ -135,8 +137,12 @@ def may_record(caller: str, job: JobState | None, record: ckpt.CheckpointRecord,
         return _OK
     owner = holder(job, record.world_size, rank) if job is not None else None
     mine = shard is not None and any(c.location == caller for c in shard.copies)
-    mirror = own and tier == ckpt.MEMORY and owner is not None and buddy_of(owner) == caller
-    if not (owner == caller or mine or mirror):
+    sources = {owner} if owner is not None else set()
+    if shard is not None:
+        sources |= {c.location for c in shard.copies if c.tier == ckpt.MEMORY}
+    mirror = own and tier == ckpt.MEMORY and any(buddy_of(n) == caller for n in sources)
+    trusted = own and unmanaged and job is None
+    if not (owner == caller or mine or mirror or trusted):
         held = f"rank {rank} is held by {owner}" if owner else f"job {record.job} has no round holding rank {rank}"
         buddy = "" if own and tier == ckpt.MEMORY else " (a buddy records only its memory replica)"
         return _deny(COPY_OWNER, f"{what}: {held}; {caller} holds no copy of it{buddy}")

@@ -231,11 +231,14 @@ def up(
     isolate: bool = False,
     etcd_members: int = 1,
     s3: bool = False,
+    unmanaged_jobs: bool = False,
 ) -> ClusterFile:
     """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks.
     ``isolate``: in the lab that :func:`.isolated.prepare` made for ``workdir`` (run from its ctl host).
     ``etcd_members``: the embedded etcd's size (3 or 5 survive the loss of a member). ``s3``: moto's S3
-    server as the cold tier (in the lab host ``s3`` when isolated)."""
+    server as the cold tier (in the lab host ``s3`` when isolated). ``unmanaged_jobs``: the coordinator
+    records checkpoints of jobs that do not rendezvous through ftd (a Checkpointer per rank without
+    torchrun: tests and benchmarks; docs/security.md)."""
     if nodes < 1 or spares < 0 or coordinators < 1 or etcd_members < 1:
         raise ClusterError("need --nodes >= 1, --spares >= 0, --coordinators >= 1 and --etcd-members >= 1")
     if s3 and s3_endpoint:
@@ -309,6 +312,7 @@ def up(
                     "--listen", listen[0], "--metrics-listen", listen[1],
                     "--replica-id", f"coordinator-{i}", "--cluster", CLUSTER, "--pki-dir", str(pki_dir),
                     *etcd_tls, "--ready-file", str(ready), *(train.coordinator_args(nodes) if train else []),
+                    *(["--unmanaged-jobs"] if unmanaged_jobs else []),
                     *(extra_coordinator_args or [])]
             proc = _spawn(isolated.wrap(iso, f"coordinator-{i}", argv) if iso else argv, log)
             cluster.coordinators.append(Proc(f"coordinator-{i}", proc.pid))

@@ -21,7 +21,7 @@ def local_cluster(tmp_path: Path) -> Iterator[ClusterFile]:
     dial it with ``cluster.client()`` or ``tls=cluster.operator`` / ``cluster.identity(kind, name)``. Its
     tests save checkpoints of jobs that never rendezvous (a Checkpointer per rank, no torchrun): the
     coordinator allows them (``unmanaged_jobs``; off by default, docs/security.md)."""
-    cluster = up(tmp_path / "cluster", nodes=2, spares=1, extra_coordinator_args=["--unmanaged-jobs"])
+    cluster = up(tmp_path / "cluster", nodes=2, spares=1, unmanaged_jobs=True)
     try:
         yield cluster
     finally:

@@ -45,8 +45,7 @@ from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFile]:
     # Its tests commit shards of jobs that never rendezvous (the catalog's own checks under attack):
     # unmanaged_jobs lets them; tests/test_insider_catalog.py attacks a cluster without it.
-    started = up(tmp_path_factory.mktemp("attacks") / "cluster", nodes=2, spares=1,
-                 extra_coordinator_args=["--unmanaged-jobs"])
+    started = up(tmp_path_factory.mktemp("attacks") / "cluster", nodes=2, spares=1, unmanaged_jobs=True)
     try:
         yield started
     finally:

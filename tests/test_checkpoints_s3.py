@@ -32,7 +32,7 @@ def s3_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tupl
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     moto = MotoServer(tmp_path / "moto.log").start()
     bucket = moto.new_bucket()
-    cluster = up(tmp_path / "c", nodes=1, spares=0, s3_endpoint=moto.endpoint, s3_bucket=bucket,
+    cluster = up(tmp_path / "c", nodes=1, spares=0, s3_endpoint=moto.endpoint, s3_bucket=bucket, unmanaged_jobs=True,
                  extra_agent_args=["--tiering-interval-s", "0.5", "--s3-timeout-s", "1", "--s3-max-attempts", "2"])
     try:
         yield cluster, moto
@@ -110,7 +110,7 @@ def test_a_restore_from_s3_outside_the_default_region(tmp_path: Path, monkeypatc
     moto = MotoServer(tmp_path / "moto.log").start()
     proxy = RegionCheckingProxy(moto.port, "eu-west-2").start()
     cluster = up(tmp_path / "c", nodes=1, spares=0, s3_endpoint=proxy.endpoint, s3_bucket=moto.new_bucket("eu-west-2"),
-                 extra_agent_args=["--tiering-interval-s", "0.5", "--s3-region", "eu-west-2"])
+                 unmanaged_jobs=True, extra_agent_args=["--tiering-interval-s", "0.5", "--s3-region", "eu-west-2"])
     node_dir = Path(cluster.agents[0].info["workdir"])
     client = CoordinatorClient(cluster.coordinator_endpoints)
     ck = Checkpointer(JOB, rank=0, world_size=1, agent_socket=cluster.agents[0].info["socket"],

@@ -66,7 +66,7 @@ def snapshots(root: Path, job: str, rank: int) -> list[int]:
 def racks(tmp_path: Path) -> Iterator[ClusterFile]:
     """node-0 (rack r0), node-1 (r1), spare node-2 (r0); each node's HDD is its own; no S3; memory tiers
     of 4 MB (a 3 MB snapshot cannot have two held)."""
-    cluster = up(tmp_path / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False,
+    cluster = up(tmp_path / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False, unmanaged_jobs=True,
                  extra_agent_args=["--mem-capacity-bytes", str(4_000_000), "--tiering-interval-s", "0.5"])
     try:
         yield cluster
@@ -135,7 +135,7 @@ def test_snapshots_are_replicated_to_the_buddy_bounded_and_pulled_by_a_node_with
 def test_a_spare_prepares_room_for_what_it_would_pull_and_the_pull_lands_in_it(tmp_path: Path) -> None:
     """The landing reserve (agent.landing) on real agents: the spare sizes it from the catalog (a
     12 MB shard: one 64 MiB slot), the active nodes prepare none, and the spare's pull lands in it."""
-    cluster = up(tmp_path / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False)
+    cluster = up(tmp_path / "cluster", nodes=2, spares=1, racks=2, shared_hdd=False, unmanaged_jobs=True)
     big = {"w": torch.randn(3_000_000, generator=torch.Generator().manual_seed(3)), "step": 3}
     ck = Checkpointer(JOB, rank=0, world_size=1, agent_socket=agent(cluster, "node-0").info["socket"],
                       install_signal_handlers=False)

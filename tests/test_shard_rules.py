@@ -95,3 +95,9 @@ def test_a_job_with_no_round_is_refused_unless_the_fleet_is_trusted() -> None:
     assert not wipe.allowed and wipe.rule == "job_epoch" and "world is at epoch 7" in wipe.reason
     stranger = rules.may_commit("node-x", None, "solo", 10, 7, 0, 1, None, rules.Unmanaged(7, False))
     assert not stranger.allowed and "not registered" in stranger.reason
+    # its copies: the committer's buddy mirrors its memory copy; on a trusted fleet any node records its own
+    solo = record(10, {0: {("mem", "node-0")}}, world_size=1)
+    assert rules.may_record("node-1", None, solo, 0, "mem", "node-1", True, False, {"node-0": "node-1"}.get,
+                            None).allowed
+    assert not rules.may_record("node-2", None, solo, 0, "mem", "node-2", True, False, no_buddy, None).allowed
+    assert rules.may_record("node-2", None, solo, 0, "mem", "node-2", True, False, no_buddy, None, True).allowed
