@@ -401,7 +401,17 @@ def test_a_store_that_never_appears_is_abandoned_and_counted(pools: list[FakePoo
     lb.step()
     assert lb.state is State.JOIN and lb.last_round == 0 and "no store" in lb.reason
     lb.step()
-    assert coord.joins("b")[-1].last_round == 0 and coord.state is not None and coord.state.restarts == 1
+    # a never joined: the round never formed, so asking again is the same incident (no charge)
+    assert coord.joins("b")[-1].last_round == 0 and coord.state is not None
+    assert coord.state.round == 0 and coord.state.restarts == 0
+    # a joins but its store never appears: the formed round failed, b's next abandonment is counted
+    coord.state, _ = rules.join(time.time(), coord.state, "job", 1, ["a", "b"], "a", -1, 2, 5)
+    assert lb.state is State.STORE
+    clock.now += 31
+    lb.step()
+    assert lb.state is State.JOIN and lb.last_round == 0 and "no store" in lb.reason
+    lb.step()
+    assert coord.state.round == 1 and coord.state.restarts == 1
 
 
 def test_the_run_loop_stops_and_kills_its_workers(pools: list[FakePool]) -> None:
