@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 
+from ftd.checkpoints import signing
 from ftd.checkpoints.layout import BadIdentifier, check_job, check_rank, check_step
+from ftd.identity import identity_of
 from ftd.rpc import rpc_code, rpc_details
 from ftd.storage_backends.base import StorageError
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
@@ -304,6 +306,27 @@ class AgentService(agent_pb2_grpc.AgentServicer):
 
     def GetTiers(self, request: agent_pb2.GetTiersRequest, context: grpc.ServicerContext) -> agent_pb2.Tiers:
         return self.daemon.tiers_info()
+
+    @answers
+    def SignShard(self, request: agent_pb2.SignShardRequest,
+                  context: grpc.ServicerContext) -> agent_pb2.SignShardResponse:
+        """A shard statement signed with this node's key (ftd.checkpoints.signing), for its training."""
+        if self.daemon.identity is None:
+            raise errors.NodeCannot(f"node {self.daemon.node_id} runs without mTLS: it has no key to sign shards")
+        material = self.daemon.identity.load()
+        try:
+            signature = signing.sign_statement(request.statement, material.key_pem)
+        except signing.BadSignature as exc:
+            raise errors.BadRequest(f"SignShard signs shard statements only: {exc}") from exc
+        return agent_pb2.SignShardResponse(signature=signature, certificate_pem=material.cert_pem)
+
+    def GetShardTrust(self, request: agent_pb2.GetShardTrustRequest,
+                      context: grpc.ServicerContext) -> agent_pb2.ShardTrust:
+        if self.daemon.identity is None:
+            return agent_pb2.ShardTrust()
+        material = self.daemon.identity.load()
+        own = identity_of(material.cert_pem)
+        return agent_pb2.ShardTrust(ca_pem=material.ca_pem, cluster=own.cluster if own else "")
 
 
 def add_to_server(server: Any, daemon: AgentDaemon) -> None:

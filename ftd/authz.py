@@ -143,6 +143,9 @@ TABLE: dict[str, Policy] = {
     _A + "OpenShard": Policy(_NODE, AGENT_PEERS),
     # the fast path of WriteShard: a node announces its own memory snapshot, its buddy pulls it
     _A + "PullReplica": Policy(_NODE, AGENT_PEERS, "source"),
+    # the training process has its shard statements signed with the node key, and reads the CA to check them
+    _A + "SignShard": Policy(_LOCAL, LOCAL_ONLY),
+    _A + "GetShardTrust": Policy(_LOCAL, LOCAL_ONLY),
 }
 
 UNKNOWN_LABEL = "unknown"

@@ -150,6 +150,14 @@ class AgentLink:
                 request.progress.fingerprints.append(fingerprint)
         return self._call("ReportProgress", request, timeout_s=2.0)  # type: ignore[no-any-return]
 
+    def sign_shard(self, statement: bytes) -> agent_pb2.SignShardResponse:
+        """The node key's signature over a shard statement (ftd.checkpoints.signing)."""
+        return self._call("SignShard", agent_pb2.SignShardRequest(statement=statement))  # type: ignore[no-any-return]
+
+    def shard_trust(self) -> agent_pb2.ShardTrust:
+        """The cluster CA shard signatures are checked against (empty: the agent runs without mTLS)."""
+        return self._call("GetShardTrust", agent_pb2.GetShardTrustRequest())  # type: ignore[no-any-return]
+
     def close(self) -> None:
         self._channel.close()
 

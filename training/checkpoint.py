@@ -90,6 +90,7 @@ from ftd.v1 import cluster_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused, tiers_from_proto
 from .cadence import CadencePolicy, CadenceTracker, agree_max
+from .checkpoint_signing import ShardSigner
 from .dcp_io import check_template
 from .emergency import EmergencyFlush
 from .handover_stop import HandoverFlag, agree_any
@@ -151,10 +152,14 @@ class Checkpointer:
         self.mem: Tier | None = next((t for t in self.tiers if t.name == MEMORY), None)
         self.cadence = cadence or CadencePolicy()
         extra = RankState(dataloader, rng)  # this rank's RNG states and data loader position, with every save
+        # Every shard signed with the node's key, every copy's signature checked before it is loaded
+        # (checkpoint_signing; None: an agent without mTLS).
+        self.signer = ShardSigner.from_agent(self.agent)
         self.saves = SaveLoop(self.job, self.rank, self.world_size, self.epoch, self.format, self.agent, self.ssd,
-                              self.mem, self.cadence.describe() if cadence is not None else "", extra, buffers)
+                              self.mem, self.cadence.describe() if cadence is not None else "", extra, buffers,
+                              self.signer)
         self.restorer = Restorer(self.job, self.rank, self.world_size, self.format, self.tiers, self.agent, extra,
-                                 self.epoch)
+                                 self.epoch, self.signer)
         # The cadence (step_end): measured on every rank, agreed by all (one all-reduce per decision).
         self.cadence_tracker = CadenceTracker(self.cadence, lambda values: agree_max(values, self.world_size))
         self._handover = HandoverFlag()

@@ -38,12 +38,13 @@ import math
 import os
 import pickle
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ftd.checkpoints.catalog import MEMORY, CheckpointRecord, CopyRef, ShardRecord
 from ftd.checkpoints.layout import shard_prefix
+from ftd.checkpoints.signing import SIGNATURE
 from ftd.storage_backends.base import StorageError
 from ftd.storage_backends.tiers import Tier
 from ftd.v1 import agent_pb2
@@ -73,6 +74,9 @@ class ShardReader(Protocol):
     def missed(self, record: CheckpointRecord, missed: Missed) -> None: ...
 
     def pull(self, copy: CopyRef, record: CheckpointRecord, shard: ShardRecord) -> agent_pb2.FetchShardResponse: ...
+
+    def signature_check(self, record: CheckpointRecord, shard: ShardRecord,
+                        names: Collection[str] | None = None) -> Callable[[Path], None] | None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +244,11 @@ class _Reshard:
         if DCP_METADATA not in expected:
             raise IncompatibleCheckpoint(f"the shard's manifest lists no {DCP_METADATA}: not a dcp shard")
         names = [DCP_METADATA, *([RANK_STATE] if shard.rank == self.state_rank and RANK_STATE in expected else [])]
+        signed = self.restorer.signature_check(self.record, shard, names)
         if tier is not None:
             prefix = shard_prefix(self.record.job, self.record.step, shard.rank)
-            folder = self.stack.enter_context(tier.backend.local_folder(prefix, names))
+            fetch = [*names, *([SIGNATURE] if signed is not None and SIGNATURE in expected else [])]
+            folder = self.stack.enter_context(tier.backend.local_folder(prefix, fetch))
             verify_files(folder, {n: expected[n] for n in names}, in_memory=tier.name == MEMORY)
             full = False
         else:  # another node's copy comes whole: its data is then at hand too
@@ -250,6 +256,8 @@ class _Reshard:
             folder = Path(got.path)
             verify_files(folder, expected, checked=got.verified)
             full = True
+        if signed is not None:  # before anything of it is unpickled
+            signed(folder)
         try:
             metadata = _read_metadata(folder / DCP_METADATA, self.weights_only)
             saved = read_rank_state(folder) if RANK_STATE in names else None
@@ -268,6 +276,8 @@ class _Reshard:
             got = self.restorer.pull(copy, self.record, shard)
             folder = Path(got.path)
             verify_files(folder, expected, checked=got.verified)
+        if (signed := self.restorer.signature_check(self.record, shard)) is not None:
+            signed(folder)
         return Opened(folder, copy, tier, True, opened.metadata, opened.rank_state)
 
 

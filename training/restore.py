@@ -52,6 +52,7 @@ from ftd.storage_backends.tiers import Tier
 from ftd.v1 import agent_pb2, checkpoint_pb2, cluster_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
+from .checkpoint_signing import ShardSigner
 from .corruption import (
     CorruptCopy,
     Expected,
@@ -97,7 +98,8 @@ def order_copies(shard: ShardRecord, my_tiers: Iterable[Tier],
 
 
 def load_shard(directory: Path, expected: Expected, fmt: str, map_location: Any, template: dict[str, Any] | None,
-               weights_only: bool, *, checked: bool = False, in_memory: bool = False) -> Any:
+               weights_only: bool, *, checked: bool = False, in_memory: bool = False,
+               verify: Callable[[Path], None] | None = None) -> Any:
     """Loads one shard copy from local files once every file the catalog lists matched its size and
     CRC32C (``checked``: this node's agent checked the CRC32Cs against these very sums as the bytes
     landed, ``FetchShardResponse.verified``, and renamed the files into place only then; the sizes
@@ -106,8 +108,11 @@ def load_shard(directory: Path, expected: Expected, fmt: str, map_location: Any,
     tensors copied straight from the mapped files (:func:`ftd.training.dcp_io.load_dcp`).
 
     A file that does not match is :class:`CorruptCopy`; once every file matched, a load that fails
-    is :class:`IncompatibleCheckpoint` (I/O errors keep their type: the copy is skipped)."""
+    is :class:`IncompatibleCheckpoint` (I/O errors keep their type: the copy is skipped). ``verify``:
+    the shard's signature check (:mod:`.checkpoint_signing`), run before anything is unpickled."""
     verify_files(directory, expected, checked=checked, in_memory=in_memory)
+    if verify is not None:
+        verify(directory)
     try:
         if fmt == "torch" or "state.pt" in expected:
             return torch.load(directory / "state.pt", map_location=map_location, mmap=True,
@@ -147,8 +152,9 @@ class Restorer:
     """Reads this rank's shard of the newest step it can verify (see the module docstring)."""
 
     def __init__(self, job: str, rank: int, world_size: int, fmt: str, tiers: list[Tier], agent: AgentLink,
-                 extra: RankState | None = None, epoch: int = -1) -> None:
+                 extra: RankState | None = None, epoch: int = -1, signer: ShardSigner | None = None) -> None:
         self.job, self.rank, self.world_size, self.format = job, rank, world_size, fmt
+        self.signer = signer  # every copy's signature checked before it is loaded (None: a node without mTLS)
         self.epoch = epoch  # of this world: reported with what it restored
         self.restored_step: int | None = None  # the step the last restore resumed from (-1: none); None: not asked
         self.tiers = tiers
@@ -300,9 +306,18 @@ class Restorer:
         expected = {f.name: (f.size, f.crc32c) for f in shard.files}
         with tier.backend.local_folder(shard_prefix(self.job, record.step, shard.rank), expected) as directory:
             state = load_shard(directory, expected, self.format, map_location, template, weights_only,
-                               in_memory=tier.name == MEMORY)
+                               in_memory=tier.name == MEMORY, verify=self.signature_check(record, shard))
             self._extra = saved_rank_state(directory, expected) if self.extra.enabled else None
             return state
+
+    def signature_check(self, record: CheckpointRecord, shard: ShardRecord,
+                        names: Collection[str] | None = None) -> Callable[[Path], None] | None:
+        """The check of a copy's signature against the catalog's writer (``names``: the files about to
+        be read); ``None`` on a node without mTLS."""
+        signer = self.signer
+        if signer is None:
+            return None
+        return lambda directory: signer.verify(directory, self.job, record.step, shard, names)
 
     def _resharded(self, record: CheckpointRecord, template: dict[str, Any] | None,
                    weights_only: bool) -> tuple[int, Any] | None:
@@ -337,7 +352,7 @@ class Restorer:
         got = self.pull(copy, record, shard)
         expected = {f.name: (f.size, f.crc32c) for f in shard.files}
         state = load_shard(Path(got.path), expected, self.format, map_location, template, weights_only,
-                           checked=got.verified)
+                           checked=got.verified, verify=self.signature_check(record, shard))
         self._extra = saved_rank_state(Path(got.path), expected) if self.extra.enabled else None
         return state
 

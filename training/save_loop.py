@@ -47,6 +47,7 @@ from ftd.storage_backends.tiers import Tier
 from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from .agent_link import AgentLink, AgentUnavailable, CatalogRefused
+from .checkpoint_signing import ShardSigner
 from .dcp_io import save_dcp
 from .rank_state import RankState
 from .rank_state import write as write_rank_state
@@ -101,8 +102,9 @@ class SaveLoop:
 
     def __init__(self, job: str, rank: int, world_size: int, epoch: int, fmt: str, agent: AgentLink, ssd: Tier,
                  mem: Tier | None, cadence_text: str = "", extra: RankState | None = None,
-                 snapshotter: Snapshotter | None = None) -> None:
+                 snapshotter: Snapshotter | None = None, signer: ShardSigner | None = None) -> None:
         self.job, self.rank, self.world_size, self.epoch, self.format = job, rank, world_size, epoch, fmt
+        self.signer = signer  # signs every shard with the node's key (None: a node without mTLS)
         self.agent = agent
         self.ssd = ssd
         self.mem = mem
@@ -353,6 +355,9 @@ class SaveLoop:
             except (OSError, RuntimeError) as exc:
                 raise _storage_error(backend, prefix, directory, exc) from exc
             failpoint("ckpt.after_write")
+            if self.signer is not None:  # SHARD.sig: one of the shard's files, listed and copied with the rest
+                self.signer.sign(directory, job=self.job, step=step, epoch=self.epoch, rank=self.rank,
+                                 world_size=self.world_size, fmt=self.format)
             files = tuple(FileEntry(o.key, o.size, _crc(backend, prefix, o.key, o.crc32c)) for o in staging.objects())
             manifest = ShardManifest(self.job, step, self.epoch, self.rank, self.world_size, self.format, files)
             failpoint("ckpt.before_publish")

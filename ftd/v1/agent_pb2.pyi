@@ -24,6 +24,86 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class SignShardRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATEMENT_FIELD_NUMBER: _builtins.int
+    statement: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        statement: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["statement", b"statement"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignShardRequest: _TypeAlias = SignShardRequest  # noqa: Y015
+
+@_typing.final
+class SignShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    CERTIFICATE_PEM_FIELD_NUMBER: _builtins.int
+    signature: _builtins.bytes
+    certificate_pem: _builtins.bytes
+    """the node certificate whose key signed"""
+    def __init__(
+        self,
+        *,
+        signature: _builtins.bytes = ...,
+        certificate_pem: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_pem", b"certificate_pem", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignShardResponse: _TypeAlias = SignShardResponse  # noqa: Y015
+
+@_typing.final
+class GetShardTrustRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardTrustRequest: _TypeAlias = GetShardTrustRequest  # noqa: Y015
+
+@_typing.final
+class ShardTrust(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CA_PEM_FIELD_NUMBER: _builtins.int
+    CLUSTER_FIELD_NUMBER: _builtins.int
+    ca_pem: _builtins.bytes
+    """empty: the agent runs without mTLS (nothing is signed or checked)"""
+    cluster: _builtins.str
+    def __init__(
+        self,
+        *,
+        ca_pem: _builtins.bytes = ...,
+        cluster: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_pem", b"ca_pem", "cluster", b"cluster"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardTrust: _TypeAlias = ShardTrust  # noqa: Y015
+
+@_typing.final
 class PullReplicaRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

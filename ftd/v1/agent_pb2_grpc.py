@@ -116,6 +116,16 @@ class AgentStub:
                 request_serializer=ftd_dot_v1_dot_agent__pb2.PullReplicaRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_agent__pb2.WriteShardResponse.FromString,
                 _registered_method=True)
+        self.SignShard = channel.unary_unary(
+                '/ftd.v1.Agent/SignShard',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.SignShardRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.SignShardResponse.FromString,
+                _registered_method=True)
+        self.GetShardTrust = channel.unary_unary(
+                '/ftd.v1.Agent/GetShardTrust',
+                request_serializer=ftd_dot_v1_dot_agent__pb2.GetShardTrustRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_agent__pb2.ShardTrust.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -250,6 +260,23 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SignShard(self, request, context):
+        """Training side (Unix socket only): signs a shard's statement (ftd.checkpoints.signing: canonical
+        JSON of the shard's files and SHA-256s) with this node's mTLS key, which never leaves the agent.
+        INVALID_ARGUMENT for anything that is not such a statement; FAILED_PRECONDITION without mTLS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShardTrust(self, request, context):
+        """Training side: what a restore checks shard signatures against (the cluster's CA). Empty without
+        mTLS: then no shard is signed and none is checked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -332,6 +359,16 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.PullReplica,
                     request_deserializer=ftd_dot_v1_dot_agent__pb2.PullReplicaRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_agent__pb2.WriteShardResponse.SerializeToString,
+            ),
+            'SignShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.SignShard,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.SignShardRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.SignShardResponse.SerializeToString,
+            ),
+            'GetShardTrust': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardTrust,
+                    request_deserializer=ftd_dot_v1_dot_agent__pb2.GetShardTrustRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_agent__pb2.ShardTrust.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -766,6 +803,60 @@ class Agent:
             '/ftd.v1.Agent/PullReplica',
             ftd_dot_v1_dot_agent__pb2.PullReplicaRequest.SerializeToString,
             ftd_dot_v1_dot_agent__pb2.WriteShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SignShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/SignShard',
+            ftd_dot_v1_dot_agent__pb2.SignShardRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.SignShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardTrust(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Agent/GetShardTrust',
+            ftd_dot_v1_dot_agent__pb2.GetShardTrustRequest.SerializeToString,
+            ftd_dot_v1_dot_agent__pb2.ShardTrust.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,6 +93,15 @@ class AgentStub:
     be the caller's own node. UNIMPLEMENTED when the buddy has no fast path or the pull failed: the
     holder pushes the snapshot with WriteShard instead.
     """
+    SignShard: _grpc.UnaryUnaryMultiCallable[_agent_pb2.SignShardRequest, _agent_pb2.SignShardResponse]
+    """Training side (Unix socket only): signs a shard's statement (ftd.checkpoints.signing: canonical
+    JSON of the shard's files and SHA-256s) with this node's mTLS key, which never leaves the agent.
+    INVALID_ARGUMENT for anything that is not such a statement; FAILED_PRECONDITION without mTLS.
+    """
+    GetShardTrust: _grpc.UnaryUnaryMultiCallable[_agent_pb2.GetShardTrustRequest, _agent_pb2.ShardTrust]
+    """Training side: what a restore checks shard signatures against (the cluster's CA). Empty without
+    mTLS: then no shard is signed and none is checked.
+    """
 
 @_typing.type_check_only
 class AgentAsyncStub(AgentStub):
@@ -154,6 +163,15 @@ class AgentAsyncStub(AgentStub):
     what arrived and published last) and records its copy itself, as WriteShard does. `source` must
     be the caller's own node. UNIMPLEMENTED when the buddy has no fast path or the pull failed: the
     holder pushes the snapshot with WriteShard instead.
+    """
+    SignShard: _aio.UnaryUnaryMultiCallable[_agent_pb2.SignShardRequest, _agent_pb2.SignShardResponse]  # type: ignore[assignment]
+    """Training side (Unix socket only): signs a shard's statement (ftd.checkpoints.signing: canonical
+    JSON of the shard's files and SHA-256s) with this node's mTLS key, which never leaves the agent.
+    INVALID_ARGUMENT for anything that is not such a statement; FAILED_PRECONDITION without mTLS.
+    """
+    GetShardTrust: _aio.UnaryUnaryMultiCallable[_agent_pb2.GetShardTrustRequest, _agent_pb2.ShardTrust]  # type: ignore[assignment]
+    """Training side: what a restore checks shard signatures against (the cluster's CA). Empty without
+    mTLS: then no shard is signed and none is checked.
     """
 
 class AgentServicer(metaclass=_abc_1.ABCMeta):
@@ -309,6 +327,27 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         what arrived and published last) and records its copy itself, as WriteShard does. `source` must
         be the caller's own node. UNIMPLEMENTED when the buddy has no fast path or the pull failed: the
         holder pushes the snapshot with WriteShard instead.
+        """
+
+    @_abc_1.abstractmethod
+    def SignShard(
+        self,
+        request: _agent_pb2.SignShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.SignShardResponse, _abc.Awaitable[_agent_pb2.SignShardResponse]]:
+        """Training side (Unix socket only): signs a shard's statement (ftd.checkpoints.signing: canonical
+        JSON of the shard's files and SHA-256s) with this node's mTLS key, which never leaves the agent.
+        INVALID_ARGUMENT for anything that is not such a statement; FAILED_PRECONDITION without mTLS.
+        """
+
+    @_abc_1.abstractmethod
+    def GetShardTrust(
+        self,
+        request: _agent_pb2.GetShardTrustRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.ShardTrust, _abc.Awaitable[_agent_pb2.ShardTrust]]:
+        """Training side: what a restore checks shard signatures against (the cluster's CA). Empty without
+        mTLS: then no shard is signed and none is checked.
         """
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
