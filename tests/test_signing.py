@@ -66,7 +66,7 @@ def test_a_shard_signed_by_the_writer_verifies(pki: tuple[Path, Path], tmp_path:
 def test_tampered_bytes_are_refused_even_with_the_size_kept(pki: tuple[Path, Path], tmp_path: Path) -> None:
     expected = write_shard(tmp_path, pki[0], "node-0")
     (tmp_path / "state.pt").write_bytes(b"WEIGHTS" * 1000)
-    with pytest.raises(BadSignature, match="state.pt: sha256"):
+    with pytest.raises(BadSignature, match=r"state\.pt: sha256"):
         verify(tmp_path, pki[0], expected)
 
 
