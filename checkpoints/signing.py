@@ -7,8 +7,10 @@ manifest and its catalog record like ``state.pt``: every tiering hop, buddy repl
 and S3 upload moves it with the rest, unchanged). It holds
 
 * a :class:`Statement`: the scheme (:data:`SCHEME`), job, step, epoch, rank, world size, format, the
-  signing time, and every other file of the shard with its size and SHA-256, as canonical JSON
-  (sorted keys, no spaces, ASCII);
+  signing time, and every other file of the shard with its size and the SHA-256 of each of its
+  :data:`CHUNK` pieces, as canonical JSON (sorted keys, no spaces, ASCII). Pieces, not one digest per
+  file: SHA-256 is sequential (1.6 GB/s a core with SHA-NI), so the pieces are hashed on several
+  threads straight from the mapped file (hashlib releases the GIL), at a save and at a restore;
 * the writing node's signature over those exact bytes, made with its mTLS key (the CA in ``ftd.ca``
   issues P-256 keys: ECDSA with SHA-256; an Ed25519 key would sign as Ed25519) by its agent
   (``Agent.SignShard``, Unix socket only: the key never leaves the agent);
@@ -29,11 +31,15 @@ key, and no TLS handshake signs a message beginning so (TLS 1.3 prefixes 64 spac
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import hashlib
 import json
+import mmap
+import os
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +54,10 @@ SIGNATURE = "SHARD.sig"
 SCHEME = "ftd-shard-sig-v1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _NODE_URI = re.compile(r"spiffe://ftd/([A-Za-z0-9][A-Za-z0-9._-]{0,62})/node/([A-Za-z0-9._-]{1,128})")
-_MAX_SIG_FILE = 64 << 10
+_MAX_SIG_FILE = 16 << 20  # 1 MiB per 10 TiB of shard
+CHUNK = 64 << 20  # bytes per hashed piece of a file
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+FileDigest = tuple[str, int, tuple[str, ...]]  # (name, size, SHA-256 hex of each CHUNK piece)
 Expected = Mapping[str, tuple[int, str]]  # file name -> (size, crc32c): the catalog's record of the shard
 
 
@@ -66,14 +75,14 @@ class Statement:
     rank: int
     world_size: int
     format: str
-    files: tuple[tuple[str, int, str], ...]  # (name, size, sha256 hex), sorted by name
+    files: tuple[FileDigest, ...]  # sorted by name
     signed_unix_s: float
 
     def encode(self) -> bytes:
         """The canonical bytes signed: the scheme first, then sorted keys, no whitespace."""
         body = {"job": self.job, "step": self.step, "epoch": self.epoch, "rank": self.rank,
                 "world_size": self.world_size, "format": self.format, "signed_unix_s": self.signed_unix_s,
-                "files": [{"name": n, "size": s, "sha256": h} for n, s, h in sorted(self.files)]}
+                "files": [{"name": n, "size": s, "sha256": list(h)} for n, s, h in sorted(self.files)]}
         rest = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return f'{{"scheme":"{SCHEME}",{rest[1:]}'.encode()
 
@@ -85,14 +94,16 @@ class Statement:
             raise BadSignature(f"not a {SCHEME} statement")
         try:
             data = json.loads(raw)
-            files = tuple((check_file_name(f["name"]), int(f["size"]), str(f["sha256"])) for f in data["files"])
+            files = tuple((check_file_name(f["name"]), int(f["size"]), tuple(str(h) for h in f["sha256"]))
+                          for f in data["files"])
             statement = cls(str(data["job"]), int(data["step"]), int(data["epoch"]), int(data["rank"]),
                             int(data["world_size"]), str(data["format"]), files, float(data["signed_unix_s"]))
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
             raise BadSignature(f"the signed statement does not parse: {type(exc).__name__}: {exc}") from exc
         if statement.encode() != raw:
             raise BadSignature("the signed statement is not in canonical form")
-        if any(n in (SIGNATURE, MANIFEST) or s < 0 or not _SHA256.fullmatch(h) for n, s, h in files):
+        if any(n in (SIGNATURE, MANIFEST) or s < 0 or len(h) != _pieces(s) or not all(map(_SHA256.fullmatch, h))
+               for n, s, h in files):
             raise BadSignature("the signed statement lists a bad file entry")
         return statement
 
@@ -120,20 +131,30 @@ class SignedShard:
             raise BadSignature(f"{SIGNATURE} does not parse: {type(exc).__name__}: {exc}") from exc
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    """SHA-256 of a file through one reused buffer (hashlib releases the GIL on large updates)."""
-    digest = hashlib.sha256()
-    buffer = bytearray(chunk)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
+def _pieces(size: int) -> int:
+    return max(1, -(-size // CHUNK))
 
 
-def hash_files(directory: Path, names: Iterable[str]) -> tuple[tuple[str, int, str], ...]:
-    """(name, size, SHA-256) of each file of ``directory`` named (sorted by name)."""
-    return tuple(sorted((n, (directory / n).stat().st_size, sha256_file(directory / n)) for n in names))
+def hash_files(directory: Path, names: Iterable[str], threads: int = HASH_THREADS) -> tuple[FileDigest, ...]:
+    """(name, size, SHA-256 of each :data:`CHUNK` piece) of each file of ``directory`` named, sorted by
+    name: the pieces of all the files hashed on ``threads`` threads from the mapped files (no copy)."""
+    with contextlib.ExitStack() as stack:
+        views: dict[str, memoryview] = {}
+        for name in sorted(set(names)):
+            f = stack.enter_context(open(directory / name, "rb"))
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                views[name] = memoryview(b"")
+                continue
+            mapped = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            views[name] = stack.enter_context(memoryview(mapped))
+        jobs = [(name, start) for name, view in views.items() for start in range(0, max(len(view), 1), CHUNK)]
+        with ThreadPoolExecutor(threads, thread_name_prefix="ftd-sha256") as pool:
+            sums = list(pool.map(lambda job: hashlib.sha256(views[job[0]][job[1]:job[1] + CHUNK]).hexdigest(), jobs))
+        pieces: dict[str, list[str]] = {name: [] for name in views}
+        for (name, _), digest in zip(jobs, sums, strict=True):
+            pieces[name].append(digest)
+        return tuple((name, len(views[name]), tuple(pieces[name])) for name in views)
 
 
 def statement_for(directory: Path, *, job: str, step: int, epoch: int, rank: int, world_size: int, fmt: str,
@@ -242,14 +263,16 @@ def verify_shard(directory: Path, *, cas: Sequence[x509.Certificate], writer: st
     statement = check_signed(SignedShard.decode(raw), cas=cas, writer=writer, job=job, step=step, rank=rank,
                              expected=expected, cluster=cluster)
     sums = {n: h for n, _, h in statement.files}
-    for name in sorted(set(sums) if names is None else set(names) - {SIGNATURE}):
-        if name not in sums:
-            raise BadSignature(f"{directory / name}: not covered by the signature")
-        if (actual := sha256_file(directory / name)) != sums[name]:
-            raise BadSignature(f"{directory / name}: sha256 {actual[:16]}…, the signed statement says "
-                               f"{sums[name][:16]}…")
+    wanted = sorted(set(sums) if names is None else set(names) - {SIGNATURE})
+    if missing := [n for n in wanted if n not in sums]:
+        raise BadSignature(f"{directory / missing[0]}: not covered by the signature")
+    for name, _, actual in hash_files(directory, wanted):
+        if actual != sums[name]:
+            piece = next(i for i, (a, b) in enumerate(zip(actual, sums[name], strict=False)) if a != b) \
+                if len(actual) == len(sums[name]) else -1
+            raise BadSignature(f"{directory / name}: sha256 of piece {piece} is not the one signed")
     return statement
 
 
 __all__ = ["SCHEME", "SIGNATURE", "BadSignature", "SignedShard", "Statement", "check_signed", "hash_files",
-           "load_cas", "sha256_file", "sign_statement", "statement_for", "verify_shard"]
+           "load_cas", "sign_statement", "statement_for", "verify_shard"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ftd import ca
+from ftd.checkpoints import signing
 from ftd.checkpoints.signing import (
     SIGNATURE,
     BadSignature,
@@ -67,6 +68,19 @@ def test_tampered_bytes_are_refused_even_with_the_size_kept(pki: tuple[Path, Pat
     expected = write_shard(tmp_path, pki[0], "node-0")
     (tmp_path / "state.pt").write_bytes(b"WEIGHTS" * 1000)
     with pytest.raises(BadSignature, match=r"state\.pt: sha256"):
+        verify(tmp_path, pki[0], expected)
+
+
+def test_a_large_file_is_hashed_in_pieces_and_the_tampered_piece_named(pki: tuple[Path, Path], tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(signing, "CHUNK", 1024)  # 7000 bytes: 7 pieces, hashed on several threads
+    expected = write_shard(tmp_path, pki[0], "node-0")
+    statement = verify(tmp_path, pki[0], expected)
+    assert [len(h) for n, _, h in statement.files if n == "state.pt"] == [7]
+    data = bytearray((tmp_path / "state.pt").read_bytes())
+    data[3 * 1024 + 5] ^= 1
+    (tmp_path / "state.pt").write_bytes(bytes(data))
+    with pytest.raises(BadSignature, match="sha256 of piece 3 is not the one signed"):
         verify(tmp_path, pki[0], expected)
 
 
@@ -127,7 +141,7 @@ def test_the_node_key_signs_shard_statements_only(pki: tuple[Path, Path]) -> Non
     key = load_identity(pki[0], "node", "node-0").key_pem
     with pytest.raises(BadSignature, match="not a ftd-shard-sig-v1 statement"):
         sign_statement(b" " * 64 + b"TLS 1.3, server CertificateVerify\x00" + b"x" * 32, key)
-    good = Statement(JOB, STEP, 0, RANK, 2, "torch", (("state.pt", 1, "0" * 64),), 1.0).encode()
+    good = Statement(JOB, STEP, 0, RANK, 2, "torch", (("state.pt", 1, ("0" * 64,)),), 1.0).encode()
     with pytest.raises(BadSignature, match="canonical"):
         sign_statement(good.replace(b'"epoch":0', b'"epoch": 0'), key)
     assert sign_statement(good, key)
