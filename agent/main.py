@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from ftd import logs
+from ftd.hardening import harden_process
 from ftd.identity import PkiError
 from ftd.settings import load_or_exit
 
@@ -23,6 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env_prefix=ENV_PREFIX, description="ftd node agent: registration, heartbeats, supervision, drills.",
     )
     logs.configure(settings.log_level, component="agent")
+    harden_process()  # umask 0077 (its shards and logs are its own) and the soft open-file limit at the hard one
     try:
         daemon = AgentDaemon(settings)
     except PkiError as exc:

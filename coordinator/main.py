@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -15,11 +16,13 @@ from grpc import aio
 
 from ftd import etcd_client, logs, metrics_http, rpc, systemd
 from ftd.authz_interceptors import AioAuthzInterceptor, Guard
+from ftd.hardening import harden_process
 from ftd.identity import PkiError, identity_of
 from ftd.settings import load_or_exit
 
 from . import validation
 from .control import Controller
+from .etcd_space import EtcdSpace, SpaceConfig, SpaceKeeper
 from .etcd_store import EtcdStore
 from .metrics import CoordinatorMetrics
 from .service import add_to_server, authz_facts
@@ -96,10 +99,15 @@ async def serve(settings: CoordinatorSettings) -> int:
     try:
         with etcd_client.using_tls(settings.etcd_tls):
             store = EtcdStore(settings.etcd_endpoints, settings.cluster, settings.etcd_timeout_s)
+            space = EtcdSpace(settings.etcd_endpoints)
     except PkiError as exc:
         log.error("cannot reach etcd with TLS: %s", exc)
         return 1
     controller = Controller(store, settings, address, metrics)
+    keeper = SpaceKeeper(space, SpaceConfig(settings.etcd_quota_bytes, settings.rendezvous_budget_bytes,
+                                            settings.etcd_compact_every_s or math.inf),
+                         lambda: controller.is_leader,
+                         lambda why: controller.committer.commit("etcd_space", events=[("etcd_space", "", why)]))
     if guard is not None:
         guard.facts = authz_facts(controller)  # what the leader knows: hosts, job members, rank 0
     add_to_server(server, controller)
@@ -119,13 +127,16 @@ async def serve(settings: CoordinatorSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner = asyncio.create_task(controller.run())
+    space_runner = asyncio.create_task(keeper.run(stop))
     await stop.wait()
     log.info("stopping: handing leadership over")
     systemd.notify("STOPPING=1")
     await controller.stop()
     runner.cancel()
+    space_runner.cancel()
     await server.stop(grace=1.0)
     store.close()
+    space.close()
     return 0
 
 
@@ -136,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="ftd coordinator replica: failure detection, spare promotion, epochs in etcd.",
     )
     logs.configure(settings.log_level, component="coordinator")
+    harden_process()
     return asyncio.run(serve(settings))
 
 

@@ -111,6 +111,14 @@ class CoordinatorSettings:
     commit_step_slack: int = setting(
         1000, "a node's shard may be at most this many steps newer than the job's newest reported step or checkpoint "
               "(heartbeats lag the saves); a step beyond is refused (docs/security.md)", "steps")
+    etcd_quota_bytes: int = setting(
+        2 * 1024**3, "etcd's --quota-backend-bytes (the members' setting): the leader defragments past half of it "
+                     "and disarms NOSPACE below 80 % (docs/operations.md#etcd-is-full-nospace)", "bytes")
+    rendezvous_budget_bytes: int = setting(
+        64 * 1024**2, "live bytes one torchrun etcd-v3 rendezvous run may hold under /torch/elastic/; a run over it "
+                      "is deleted by the leader (docs/security.md)", "bytes")
+    etcd_compact_every_s: float = setting(30.0, "the leader compacts etcd's history this often (0: only when full)",
+                                          "s")
     fenced_node_retention_s: float = setting(
         86400.0, "a fenced node's record is deleted this long after its fence (0: kept for ever)", "s")
     write_rate_per_node_s: float = setting(
@@ -146,6 +154,11 @@ class CoordinatorSettings:
         require(self.etcd_cert_file is None or self.etcd_ca_file is not None, "etcd_ca_file",
                 "is required with etcd_cert_file (TLS to etcd)")
         require(self.etcd_timeout_s > 0, "etcd_timeout_s", f"must be > 0 (got {self.etcd_timeout_s})")
+        require(self.etcd_quota_bytes > 0, "etcd_quota_bytes", f"must be > 0 (got {self.etcd_quota_bytes})")
+        require(self.rendezvous_budget_bytes > 0, "rendezvous_budget_bytes",
+                f"must be > 0 (got {self.rendezvous_budget_bytes})")
+        require(self.etcd_compact_every_s >= 0, "etcd_compact_every_s",
+                f"must be >= 0 (got {self.etcd_compact_every_s})")
         require(self.leader_ttl_s >= 2, "leader_ttl_s",
                 f"must be >= 2 (etcd's minimum lease TTL), got {self.leader_ttl_s}")
         require(self.suspect_after_s > 0, "suspect_after_s", f"must be > 0 (got {self.suspect_after_s})")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from ftd.ca import issue
+from ftd.ca import ETCD_CLIENT_HOST, issue
 from ftd.identity import IdentityFiles, paths
 
 log = logging.getLogger("ftd.etcd_server")
@@ -47,7 +47,7 @@ log = logging.getLogger("ftd.etcd_server")
 ROLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "root": ("root", ()),
     "ftd-etcd": ("root", ()),
-    "ftd-coordinator": ("ftd-coordinator", ("/ftd/",)),
+    "ftd-coordinator": ("root", ()),  # etcd 3.4 lets only root defragment (its NOSPACE recovery)
     "ftd-rendezvous": ("ftd-rendezvous", ("/torch/elastic/rendezvous/", "/torch/elastic/store/")),
 }
 # Compact the key history hourly: the embedded default runs for days in a lab.
@@ -119,7 +119,8 @@ class EtcdMember:
         crt, key, ca = str(files.cert_path), str(files.key_path), str(files.ca_path)
         return ["--cert-file", crt, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
                 "--peer-cert-file", crt, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
-                "--peer-client-cert-auth", "--peer-cert-allowed-cn", "ftd-etcd"]
+                "--peer-client-cert-auth", "--peer-cert-allowed-cn", "ftd-etcd",
+                "--client-cert-allowed-hostname", ETCD_CLIENT_HOST]
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         files = self.identity
@@ -157,6 +158,7 @@ class EtcdCluster:
     detach: bool = False  # start in a new session so the members outlive the caller (ftctl up)
     pki_dir: Path | None = None
     auth: bool = False
+    quota_bytes: int = 0  # --quota-backend-bytes (0: etcd's default, 2 GiB)
     members: list[EtcdMember] = field(default_factory=list)
     # Member i binds hosts[i] on the fixed ports CLIENT_PORT and PEER_PORT (each in its own network
     # namespace); empty: every member on loopback on free ports.
@@ -183,6 +185,8 @@ class EtcdCluster:
         ]
         if self.fast:
             cmd += ["--heartbeat-interval", "50", "--election-timeout", "250"]
+        if self.quota_bytes:
+            cmd += ["--quota-backend-bytes", str(self.quota_bytes)]
         return cmd
 
     def _issue_member_certificates(self) -> None:

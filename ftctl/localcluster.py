@@ -26,6 +26,7 @@ the cluster from the lab's ``ctl`` namespace.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -34,9 +35,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from ftd.ca import bootstrap, issue
 from ftd.client import CoordinatorClient, remember_identity
@@ -53,6 +55,8 @@ class ClusterError(RuntimeError):
 
 
 _PYTHON = re.compile(r"python[0-9.]*")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def train_command(cmd: str, cwd: Path | None = None) -> str:
@@ -214,6 +218,20 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> sub
                                 start_new_session=True, env={**os.environ, **env} if env else None)
 
 
+def _private_files(fn: Callable[P, R]) -> Callable[P, R]:
+    """Runs ``fn`` with umask 0077 (restored after): the PKI, cluster.json, logs and every tier's
+    checkpoints it and the processes it starts create are the caller's alone, whatever its umask."""
+    @functools.wraps(fn)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+        previous = os.umask(0o077)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            os.umask(previous)
+    return wrapped
+
+
+@_private_files
 def up(
     workdir: Path,
     nodes: int,
@@ -232,6 +250,7 @@ def up(
     etcd_members: int = 1,
     s3: bool = False,
     unmanaged_jobs: bool = False,
+    etcd_quota_bytes: int = 0,
 ) -> ClusterFile:
     """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks.
     ``isolate``: in the lab that :func:`.isolated.prepare` made for ``workdir`` (run from its ctl host).
@@ -285,7 +304,8 @@ def up(
                     hosts=[isolated.address(iso, f"etcd-{i}") for i in range(etcd_members)])
                 etcd.isolation = iso  # type: ignore[attr-defined]
             else:
-                etcd = EtcdCluster(workdir / "etcd", size=etcd_members, detach=True, pki_dir=pki_dir, auth=True)
+                etcd = EtcdCluster(workdir / "etcd", size=etcd_members, detach=True, pki_dir=pki_dir, auth=True,
+                                   quota_bytes=etcd_quota_bytes)
             etcd.start(timeout_s=min(20.0, timeout_s))
             cluster.etcd_endpoints = etcd.endpoints
             cluster.etcd = [Proc(m.name, m.pid or 0, {"client_url": m.client_url, "data_dir": str(m.data_dir)})
@@ -313,6 +333,7 @@ def up(
                     "--replica-id", f"coordinator-{i}", "--cluster", CLUSTER, "--pki-dir", str(pki_dir),
                     *etcd_tls, "--ready-file", str(ready), *(train.coordinator_args(nodes) if train else []),
                     *(["--unmanaged-jobs"] if unmanaged_jobs else []),
+                    *(["--etcd-quota-bytes", str(etcd_quota_bytes)] if etcd_quota_bytes else []),
                     *(extra_coordinator_args or [])]
             proc = _spawn(isolated.wrap(iso, f"coordinator-{i}", argv) if iso else argv, log)
             cluster.coordinators.append(Proc(f"coordinator-{i}", proc.pid))

@@ -178,6 +178,13 @@ def _load_ca(pki_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKe
     return ca, key, _ca_cluster(ca, crt_path)
 
 
+# etcd admits only client certificates carrying this DNS SAN (``--client-cert-allowed-hostname``): the
+# coordinators', the rendezvous handlers' and the members' own. etcd 3.4 checks no permission on leases,
+# alarms or compaction, so a node's or an operator's certificate must not reach it at all (docs/security.md).
+ETCD_CLIENT_HOST = "etcd-client.ftd.invalid"
+ETCD_CLIENT_KINDS = ("coordinator", "rendezvous", "etcd")
+
+
 def _sign_leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, cluster: str, kind: str, name: str,
                hosts: Sequence[str], days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
@@ -186,8 +193,9 @@ def _sign_leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, cluster
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ftd"),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, cluster),
                          x509.NameAttribute(NameOID.COMMON_NAME, f"ftd-{kind}")])
+    etcd = [ETCD_CLIENT_HOST] if kind in ETCD_CLIENT_KINDS else []  # the name etcd admits clients by
     san = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(spiffe_uri(cluster, kind, name)),
-                                       *_host_sans(hosts)])
+                                       *_host_sans([*hosts, *etcd])])
     cert = (
         x509.CertificateBuilder().subject_name(subject).issuer_name(ca.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())

@@ -1,6 +1,11 @@
 """The daemons' HTTP endpoint: ``/metrics`` (Prometheus), ``/healthz`` (liveness: the main loop is
 running) and ``/readyz`` (readiness: the daemon is doing its job). Kubernetes probes and load balancers
-use the last two; each answers 200 or 503 with a one-line reason."""
+use the last two; each answers 200 or 503 with a one-line reason.
+
+The endpoint is plaintext and reachable by whoever reaches the port, so it is bounded: a connection that
+sends no complete request within :data:`TIMEOUT_S` is closed, and at most :data:`MAX_CONNECTIONS` are
+served at once (one more is closed at once): idle connections cost a thread each and, without a timeout,
+were kept for ever."""
 
 from __future__ import annotations
 
@@ -8,17 +13,53 @@ import logging
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 log = logging.getLogger("ftd.http")
 Check = Callable[[], tuple[bool, str]]
+TIMEOUT_S = 5.0  # a connection's socket timeout: a request line, headers and each write
+MAX_CONNECTIONS = 256  # connections served at once (a thread each); Prometheus and probes need a few
 
 
-def serve(host: str, port: int, registry: CollectorRegistry, healthy: Check, ready: Check) -> ThreadingHTTPServer:
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, but at most ``max_connections`` of them: one more is closed unserved."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 dropped connections arriving together)
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0  # connections closed unserved because every slot was taken
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def serve(host: str, port: int, registry: CollectorRegistry, healthy: Check, ready: Check,
+          timeout_s: float = TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> BoundedHTTPServer:
     """Starts the endpoint on a daemon thread; returns the server (``server.server_port`` is the port)."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = timeout_s  # StreamRequestHandler sets it on the socket: an idle connection is closed
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -39,7 +80,6 @@ def serve(host: str, port: int, registry: CollectorRegistry, healthy: Check, rea
         def log_message(self, format: str, *args: object) -> None:
             log.debug("%s " + format, self.address_string(), *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = BoundedHTTPServer((host, port), Handler, max_connections)
     threading.Thread(target=server.serve_forever, name="ftd-http", daemon=True).start()
     return server

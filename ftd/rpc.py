@@ -57,6 +57,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_concurrent_streams", 100_000),
+    # A connection that has not finished its TLS handshake after 5 s is closed (gRPC core's default, 120 s,
+    # let idle connections that never start TLS pin descriptors).
+    ("grpc.server_handshake_timeout_ms", 5_000),
 ]
 
 
