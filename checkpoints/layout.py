@@ -3,7 +3,8 @@
 ``<job>/step-<step:012d>/rank-<rank:05d>/`` holds one rank's shard: its data files and ``SHARD.json``,
 the manifest (step, epoch, rank, world size, format, per-file size and CRC32C, created time) written
 **last**, so a shard folder is complete exactly when its manifest is there (the tier's publish
-strategy guarantees the rest). Folders are never reused.
+strategy guarantees the rest). Folders are never reused. On a cluster with mTLS one of the data
+files is ``SHARD.sig``, the writing node's signature over the others' SHA-256s (:mod:`.signing`).
 
 Identifiers arrive from RPCs and from files on disk; anything that could escape a directory is
 refused here with :class:`BadIdentifier` / :class:`ManifestError`, never deeper in the I/O.
