@@ -182,6 +182,7 @@ class WriteShardHeader(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     step: _builtins.int
     rank: _builtins.int
@@ -191,6 +192,8 @@ class WriteShardHeader(_message.Message):
     """every file of the shard, the manifest included"""
     source: _builtins.str
     """the sending node"""
+    world_size: _builtins.int
+    """the shard's world size (its manifest's): which node holds the rank (0: unknown)"""
     def __init__(
         self,
         *,
@@ -200,10 +203,11 @@ class WriteShardHeader(_message.Message):
         tier: _builtins.str = ...,
         bytes: _builtins.int = ...,
         source: _builtins.str = ...,
+        world_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "job", b"job", "rank", b"rank", "source", b"source", "step", b"step", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "job", b"job", "rank", b"rank", "source", b"source", "step", b"step", "tier", b"tier", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

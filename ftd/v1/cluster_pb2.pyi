@@ -531,6 +531,7 @@ class Assignment(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    UNMANAGED_JOBS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     role: Global___Role.ValueType
     rank: _builtins.int
@@ -544,6 +545,10 @@ class Assignment(_message.Message):
     """the training job of the cluster ("" before one rendezvoused)"""
     round: _builtins.int
     """the job's rendezvous round: it moves on every re-formation"""
+    unmanaged_jobs: _builtins.bool
+    """The coordinator records shards of jobs with no rendezvous round (its unmanaged_jobs setting): the
+    agents then serve and take those jobs' shards from registered nodes (agent/peer_rules.py).
+    """
     @_builtins.property
     def world(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """node ids by rank; sent on epoch changes, empty above 256 ranks"""
@@ -567,10 +572,11 @@ class Assignment(_message.Message):
         job: _builtins.str = ...,
         round: _builtins.int = ...,
         peers: Global___Peers | None = ...,
+        unmanaged_jobs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_peers", b"_peers", "peers", b"peers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_peers", b"_peers", "epoch", b"epoch", "fenced", b"fenced", "job", b"job", "peers", b"peers", "rank", b"rank", "reason", b"reason", "role", b"role", "round", b"round", "world", b"world", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_peers", b"_peers", "epoch", b"epoch", "fenced", b"fenced", "job", b"job", "peers", b"peers", "rank", b"rank", "reason", b"reason", "role", b"role", "round", b"round", "unmanaged_jobs", b"unmanaged_jobs", "world", b"world", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__peers: _TypeAlias = _typing.Literal["peers"]  # noqa: Y015
     _WhichOneofArgType__peers: _TypeAlias = _typing.Literal["_peers", b"_peers"]  # noqa: Y015
@@ -619,6 +625,7 @@ class Peers(_message.Message):
     BUDDY_REASON_FIELD_NUMBER: _builtins.int
     ADDRESSES_FIELD_NUMBER: _builtins.int
     COMPLETE_FIELD_NUMBER: _builtins.int
+    MIRRORS_FIELD_NUMBER: _builtins.int
     buddy: _builtins.str
     """the node holding this node's in-memory replicas ("" when none)"""
     buddy_reason: _builtins.str
@@ -631,6 +638,12 @@ class Peers(_message.Message):
     def addresses(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerAddress]:
         """in node id order; the nodes not dead, not fenced"""
 
+    @_builtins.property
+    def mirrors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The nodes whose buddy this node is (whose memory replicas it keeps): the only sources of a
+        WriteShard or PullReplica into its memory tier (agent/peer_rules.py).
+        """
+
     def __init__(
         self,
         *,
@@ -638,10 +651,11 @@ class Peers(_message.Message):
         buddy_reason: _builtins.str = ...,
         addresses: _abc.Iterable[Global___PeerAddress] | None = ...,
         complete: _builtins.bool = ...,
+        mirrors: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "buddy", b"buddy", "buddy_reason", b"buddy_reason", "complete", b"complete"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "buddy", b"buddy", "buddy_reason", b"buddy_reason", "complete", b"complete", "mirrors", b"mirrors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
