@@ -179,9 +179,10 @@ def _load_ca(pki_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKe
 
 
 # etcd admits only client certificates carrying this DNS SAN (``--client-cert-allowed-hostname``): the
-# coordinators', the rendezvous handlers' and the members' own. etcd 3.4 checks no permission on leases,
+# coordinators', the rendezvous handlers' and the members' own (under SERVER_DOMAIN: the CA's names, which
+# no ``hosts`` may give and ``cert_hosts`` leaves out). etcd 3.4 checks no permission on leases,
 # alarms or compaction, so a node's or an operator's certificate must not reach it at all (docs/security.md).
-ETCD_CLIENT_HOST = "etcd-client.ftd.invalid"
+ETCD_CLIENT_HOST = "etcd-client.ftd.internal"
 ETCD_CLIENT_KINDS = ("coordinator", "rendezvous", "etcd")
 
 

@@ -11,10 +11,14 @@
 #   root             required by `auth enable`; no certificate has CN root, so nobody logs in as it
 #   ftd-etcd         role root: the etcd members' own certificates administer etcd (this script, etcdctl
 #                    defrag / alarm disarm); a member holds the whole database anyway
-#   ftd-coordinator  role ftd-coordinator: read-write on /ftd/ (every coordinator key, all clusters)
+#   ftd-coordinator  role root: its keys under /ftd/, and the leader keeps etcd's space (it deletes a
+#                    rendezvous run over its budget, compacts, defragments, disarms NOSPACE): etcd 3.4 lets
+#                    only root defragment
 #   ftd-rendezvous   role ftd-rendezvous: read-write on /torch/elastic/rendezvous/ (the etcd-v3 rendezvous
 #                    state) and /torch/elastic/store/ (its c10d store), nothing of ftd's
-# Node, operator and any other certificates of the CA map to no user and are refused once auth is on.
+# Node, operator and any other certificates of the CA map to no user; etcd refuses them in the TLS
+# handshake already (--client-cert-allowed-hostname=etcd-client.ftd.internal, a name only coordinator,
+# rendezvous and etcd certificates carry): etcd checks no permission on leases or alarms (docs/security.md).
 #
 # Needs etcdctl (3.4+: user add --no-password) as $ETCDCTL_BIN or on PATH, and a certificate with CN
 # ftd-etcd (or a root user's credentials) once auth is on. Waits up to WAIT_S seconds (default 600) for
@@ -50,11 +54,10 @@ role() {  # role NAME PREFIX...: NAME exists and may read and write every key un
   done
 }
 
-role ftd-coordinator /ftd/
 role ftd-rendezvous /torch/elastic/rendezvous/ /torch/elastic/store/
 user root root
 user ftd-etcd root
-user ftd-coordinator ftd-coordinator
+user ftd-coordinator root
 user ftd-rendezvous ftd-rendezvous
 e auth enable
 echo "etcd-enable-auth: auth is on; users: $(e user list | tr '\n' ' ')"
