@@ -35,8 +35,8 @@ from pathlib import Path
 
 import grpc
 
-from ftd.ca import ETCD_CLIENT_HOST, issue
-from ftd.identity import IdentityFiles, paths
+from ftd.ca import ETCD_CLIENT_HOST, ETCD_CLIENT_KINDS, issue, rotate
+from ftd.identity import IdentityFiles, load_certs, paths
 
 log = logging.getLogger("ftd.etcd_server")
 
@@ -274,6 +274,24 @@ class EtcdCluster:
                 except subprocess.TimeoutExpired:
                     m.proc.kill()
                     m.proc.wait(timeout=5)
+
+
+def renew_without_etcd_name(pki_dir: Path) -> list[Path]:
+    """Certificates of etcd's client kinds issued before etcd admitted clients by name (a re-run of ``ftctl
+    up`` on an older workdir) are rotated, keeping their hosts: etcd would refuse them in the handshake."""
+    from cryptography import x509
+
+    renewed = []
+    for kind in ETCD_CLIENT_KINDS:
+        for crt in sorted(paths(pki_dir, kind, "x")[0].parent.glob("*.crt")):
+            cert = load_certs(crt, f"{kind} certificate")[0]
+            try:
+                names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            except x509.ExtensionNotFound:
+                continue
+            if ETCD_CLIENT_HOST not in names.get_values_for_type(x509.DNSName):
+                renewed.append(rotate(pki_dir, kind, crt.stem))
+    return renewed
 
 
 def _add_user_without_password(channel: grpc.Channel, name: str, timeout_s: float) -> None:

@@ -45,7 +45,7 @@ from ftd.client import CoordinatorClient, remember_identity
 from ftd.identity import DEFAULT_OPERATOR, IdentityFiles
 
 from . import isolated, s3_server
-from .etcd_server import EtcdCluster, free_port
+from .etcd_server import EtcdCluster, free_port, renew_without_etcd_name
 
 CLUSTER = "local"  # the cluster name of every local cluster (its PKI and its coordinators' --cluster)
 
@@ -292,6 +292,7 @@ def up(
     else:
         bootstrap(pki_dir, CLUSTER, nodes=[f"node-{i}" for i in range(nodes + spares)],
                       coordinators=[f"coordinator-{i}" for i in range(coordinators)])
+        renew_without_etcd_name(pki_dir)  # issued before etcd admitted clients by name
     cluster = ClusterFile(str(workdir), "", etcd_endpoints or "", etcd_endpoints is not None,
                           created_unix_s=time.time(), s3_endpoint=s3_endpoint,
                           s3_bucket=s3_bucket if s3_endpoint else "", pki_dir=str(pki_dir), shared_hdd=shared_hdd,

@@ -191,3 +191,19 @@ def test_a_rendezvous_flood_that_fills_etcd_is_cleaned_and_a_killed_node_is_stil
         client.close()
     assert result.passed, result.verdict
     assert result.replacement == "node-2"
+
+
+def test_certificates_issued_before_etcd_admitted_clients_by_name_are_renewed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-run of ``ftctl up`` on an older workdir: its coordinator and rendezvous certificates lack the
+    name etcd now admits clients by, and get new ones (their hosts kept); a node's is left alone."""
+    from ftd import ca
+    from ftd.ftctl.etcd_server import renew_without_etcd_name
+
+    with monkeypatch.context() as old_ca:
+        old_ca.setattr(ca, "ETCD_CLIENT_KINDS", ())
+        ca.bootstrap(tmp_path, "local", nodes=["node-0"], coordinators=["c0"])
+    node_before = (tmp_path / "nodes" / "node-0.crt").read_bytes()
+    assert sorted(p.parent.name for p in renew_without_etcd_name(tmp_path)) == ["coordinators", "rendezvous"]
+    assert renew_without_etcd_name(tmp_path) == []
+    assert (tmp_path / "nodes" / "node-0.crt").read_bytes() == node_before
