@@ -42,7 +42,6 @@ class ShardSigner:
         self.agent = agent
         self.ca_pem = trust.ca_pem
         self.cluster = trust.cluster
-        self.timings: dict[str, float] = {"hash_s": 0.0, "sign_s": 0.0, "verify_s": 0.0}
 
     @classmethod
     def from_agent(cls, agent: AgentLink) -> ShardSigner | None:
@@ -59,28 +58,21 @@ class ShardSigner:
 
     def sign(self, directory: Path, *, job: str, step: int, epoch: int, rank: int, world_size: int, fmt: str) -> None:
         """Writes ``SHARD.sig`` for the shard just written into ``directory``."""
-        began = time.perf_counter()
         statement = statement_for(directory, job=job, step=step, epoch=epoch, rank=rank, world_size=world_size,
                                   fmt=fmt, now=time.time()).encode()
-        hashed = time.perf_counter()
         signed = self.agent.sign_shard(statement)
         (directory / SIGNATURE).write_bytes(SignedShard(statement, signed.signature, signed.certificate_pem).encode())
-        self.timings["hash_s"] = hashed - began
-        self.timings["sign_s"] = time.perf_counter() - hashed
 
     def verify(self, directory: Path, job: str, step: int, shard: ShardRecord,
                names: Collection[str] | None = None) -> None:
         """Checks the copy of ``shard`` in ``directory`` (``names``: the files about to be read, default
         all): :class:`CorruptCopy` naming what is wrong."""
-        began = time.perf_counter()
         expected = {f.name: (f.size, f.crc32c) for f in shard.files}
         try:
             verify_shard(directory, cas=self.cas, writer=shard.writer, job=job, step=step, rank=shard.rank,
                          expected=expected, names=names, cluster=self.cluster)
         except BadSignature as exc:
             raise CorruptCopy(f"signature check failed: {exc}") from exc
-        finally:
-            self.timings["verify_s"] = time.perf_counter() - began
 
 
 __all__ = ["SIGNATURE", "ShardSigner"]
