@@ -22,6 +22,7 @@ from ftd import metrics_http, rpc, systemd
 from ftd.authz_interceptors import AuthzInterceptor, Guard
 from ftd.checkpoints.catalog import CheckpointRecord, from_info
 from ftd.client import CoordinatorClient
+from ftd.deny_list import DenyListFollower
 from ftd.identity import identity_of
 from ftd.logs import set_identity
 from ftd.storage_backends.memory import default_capacity
@@ -103,6 +104,10 @@ class AgentDaemon:
         self.metrics_address = ""
         self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s,
                                         tls=self.identity)
+        # The coordinator's deny list (ftctl certs revoke), fetched every few seconds: revoked peers are refused.
+        self.deny = DenyListFollower(self.client.call)
+        if self.guard is not None:
+            self.guard.deny = self.deny.current
         self.session: Session  # created in start(), once the agent's own address is known
         self.tiering = Tiering(open_tiers(settings.tier_specs), self._catalog_call, settings.keep_per_tier,
                                settings.tier_bandwidth_mb_s * 1e6, settings.tiering_interval_s)
@@ -457,6 +462,8 @@ class AgentDaemon:
             self.preemption.start()
         threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()
         threading.Thread(target=self.tiering.run, args=(self._stop,), name="ftd-tiering", daemon=True).start()
+        if self.guard is not None:
+            threading.Thread(target=self.deny.run, args=(self._stop,), name="ftd-deny-list", daemon=True).start()
         if self.replicator is not None:
             threading.Thread(target=self.replicator.run, args=(self._stop,), name="ftd-replicator", daemon=True).start()
         log.info("agent %s serving on %s (%s) and unix:%s (metrics %s); coordinators %s", self.node_id,

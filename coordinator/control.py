@@ -40,6 +40,7 @@ from .guard_metrics import guard_metrics
 from .jobs import JobKeeper, JobPolicy
 from .membership import Membership
 from .metrics import CoordinatorMetrics
+from .revocations import AccessKeeper
 from .rollbacks import RollbackKeeper
 from .settings import CoordinatorSettings
 from .store import Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
@@ -86,6 +87,7 @@ class Controller:
                                      settings.unmanaged_jobs)
         self.catalog.buddy_of = self.membership.buddy_of
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
+        self.access = AccessKeeper(self.committer, wall)  # the deny list and the operator's admissions
         self.stragglers = StragglerWatch(self.committer, settings.straggler, self.metrics, self.drains.drain, clock,
                                          wall)
         self.rollbacks = RollbackKeeper(self.committer, settings.rollback, self.jobs, self.catalog,

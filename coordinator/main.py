@@ -110,6 +110,7 @@ async def serve(settings: CoordinatorSettings) -> int:
                          lambda why: controller.committer.commit("etcd_space", events=[("etcd_space", "", why)]))
     if guard is not None:
         guard.facts = authz_facts(controller)  # what the leader knows: hosts, job members, rank 0
+        guard.deny = controller.access.deny_list  # revoked identities and serials (ftctl certs revoke)
     add_to_server(server, controller)
     await server.start()
     metrics_address = start_http(settings.metrics_listen, controller, metrics)

@@ -29,6 +29,7 @@ from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
 from .placement import collectable, plan
 from .recovery import RecoveryTracker
+from .revocations import admitted
 from .settings import CoordinatorSettings
 from .store import StaleStateError
 from .view import ClusterView, Runtime
@@ -88,6 +89,9 @@ class Membership:
         # sign of life, unix s; None: not known) goes to the goodput ledger.
         self.on_failure: Callable[[str, str, float | None], None] = lambda cause, node_id, since: None
         self.also_unfit: Callable[[dict[str, cluster_pb2.HealthVerdict | None]], dict[str, str]] = lambda v: {}
+        # Who may register as active (coordinator/admission.py): with no identities (no pki_dir), everyone.
+        trusted = settings.identity is None or "*" in settings.admitted_nodes
+        self._preadmitted = None if trusted else frozenset(settings.admitted_nodes)
 
     def new_term(self) -> None:
         """A new leadership term: the first judgement has no previous one to measure a stall from, and
@@ -103,7 +107,7 @@ class Membership:
         async with self._lock:
             view = self.state.require_leader()
             now = self.clock()
-            decision = decide_registration(view, req, self.wall())
+            decision = decide_registration(view, req, self.wall(), admitted(view, req.node_id), self._preadmitted)
             if isinstance(decision, errors.CoordinatorError):
                 raise decision
             if decision.record is None:

@@ -140,6 +140,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.DrainResponse:
         return await self._unary(context, lambda: self.ctl.drains.drain(request))
 
+    async def Revoke(self, request: coordinator_pb2.RevokeRequest,
+                     context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.RevokeResponse:
+        return await self._unary(context, lambda: self.ctl.access.revoke(request))
+
+    async def Admit(self, request: coordinator_pb2.AdmitRequest,
+                    context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.AdmitResponse:
+        return await self._unary(context, lambda: self.ctl.access.admit(request))
+
+    async def GetDenyList(self, request: coordinator_pb2.GetDenyListRequest,
+                          context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.DenyListResponse:
+        async def get() -> coordinator_pb2.DenyListResponse:
+            return self.ctl.access.get_deny_list(request)
+        return await self._unary(context, get)
+
     async def GetGoodput(self, request: coordinator_pb2.GetGoodputRequest,
                          context: aio.ServicerContext[Any, Any]) -> coordinator_pb2.GoodputReport:
         async def get() -> coordinator_pb2.GoodputReport:

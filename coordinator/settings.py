@@ -108,6 +108,10 @@ class CoordinatorSettings:
         False, "nodes may commit checkpoints of jobs that did not rendezvous through ftd (no round says who holds "
                "which rank): any registered node commits any rank of them, bound only by the world's epoch. For a "
                "trusted fleet; off, only a round's members commit, each its own ranks (docs/security.md)")
+    admitted_nodes: tuple[str, ...] = setting(
+        (), "nodes admitted as active by the operator's configuration (ftctl up names its initial nodes); any other "
+            "node asking for active registers as a spare until 'ftctl admit NODE'. '*': every node (a trusted "
+            "fleet). Without pki_dir there are no identities and every node is admitted (docs/security.md)")
     commit_step_slack: int = setting(
         1000, "a node's shard may be at most this many steps newer than the job's newest reported step or checkpoint "
               "(heartbeats lag the saves); a step beyond is refused (docs/security.md)", "steps")

@@ -66,6 +66,7 @@ class ClusterView:
     stalls: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, round) -> nodes stalled
     drains: dict[str, handover_rules.Drain] = field(default_factory=dict)  # pending planned hand-overs
     goodput: dict[str, bytes] = field(default_factory=dict)  # job -> its persisted ledger (coordinator/goodput.py)
+    access: dict[str, bytes] = field(default_factory=dict)  # deny list and admissions (coordinator/revocations.py)
     _rank: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -88,6 +89,8 @@ class ClusterView:
                     view.problems.append(f"job record {key!r} is corrupt: {exc}")
             elif key.startswith("goodput/"):
                 view.goodput[key.removeprefix("goodput/")] = raw
+            elif key.startswith("access/"):
+                view.access[key] = raw
             elif key.startswith("drains/"):
                 try:
                     drain = handover_rules.decode(raw)

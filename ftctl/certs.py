@@ -4,6 +4,9 @@
     ftctl certs issue node node-7 --host node-7.example --host 10.0.0.7
     ftctl certs rotate coordinator c0          # served to new connections without a restart
     ftctl certs list
+    ftctl certs revoke node/node-1 --reason "host compromised"   # refused everywhere within seconds
+    ftctl certs rotate node node-1             # also revokes the old certificate's serial
+
 
 The PKI directory is ``--pki-dir``, else ``$FTD_PKI_DIR``, else ``DIR/pki`` of ``--workdir DIR``.
 Hooked into ``ftctl`` by :func:`register` (the parser) and :func:`run` (the command); :func:`main` runs
@@ -16,12 +19,17 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import grpc
+
 from ftd.ca import CA_DAYS, LEAF_DAYS, certificate_info, init_ca, issue, rotate
+from ftd.client import CoordinatorClient
 from ftd.identity import KINDS, PkiError, paths
+from ftd.rpc import rpc_code, rpc_details
+from ftd.v1 import coordinator_pb2
 
 ENV_PKI_DIR = "FTD_PKI_DIR"
 
@@ -58,6 +66,16 @@ def _arguments(certs: argparse.ArgumentParser) -> None:
                          help="a DNS name or IP the identity serves at (repeatable; 127.0.0.1, ::1 and localhost "
                               "always; rotate keeps the old hosts unless given)")
         cmd.add_argument("--days", type=int, default=LEAF_DAYS, help="validity [days] (default %(default)s)")
+    rev = add_parser("revoke", help="refuse every call of an identity (or of one certificate, --serial) from now on, "
+                                    "on the coordinator and every agent (asks the coordinator)")
+    rev.add_argument("identity", nargs="?", metavar="KIND/NAME", help="e.g. node/node-1 (every certificate of it)")
+    rev.add_argument("--serial", help="revoke one certificate by its serial (hex, as 'ftctl certs list' shows)")
+    rev.add_argument("--reason", default="revoked by ftctl", help="recorded in the deny list and the event log")
+    rev.add_argument("--lift", action="store_true", help="remove the entry instead (after re-issuing the identity)")
+    for cmd in (cmds.choices["rotate"],):
+        cmd.add_argument("--keep-old", action="store_true",
+                         help="do not revoke the old certificate (by default its serial is revoked through the "
+                              "coordinator, so a stolen old pair stops working)")
     lst = add_parser("list", help="every certificate with its identity, serial, hosts and expiry")
     lst.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -81,10 +99,62 @@ def list_certificates(root: Path) -> list[dict[str, object]]:
     return [certificate_info(p) for p in found]
 
 
-def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """Runs ``ftctl certs ...``; a :class:`~ftd.identity.PkiError` is printed (it names the file) as exit 1."""
+Connect = Callable[[], CoordinatorClient]
+
+
+def revoke(connect: Connect, identity: str, serial: str, reason: str, lift: bool = False,
+           serial_identity: str = "") -> str:
+    """Asks the coordinator to revoke (or ``lift``) ``identity`` or one certificate ``serial``."""
+    client = connect()
+    try:
+        reply = client.call("Revoke", coordinator_pb2.RevokeRequest(
+            identity=identity, serial=serial, reason=reason, lift=lift, serial_identity=serial_identity),
+            idempotent=True)
+        return str(reply.message)
+    finally:
+        client.close()
+
+
+def _rotate(root: Path, args: argparse.Namespace, connect: Connect | None) -> None:
+    """Rotates, then revokes the old certificate's serial unless ``--keep-old``: a stolen old pair must
+    stop working (issue 20). Without a reachable coordinator the rotation stands and says what to run."""
+    old = certificate_info(paths(root, args.kind, args.name)[0])
+    path = rotate(root, args.kind, args.name, args.host, args.days)
+    info = certificate_info(path)
+    print(f"{args.kind}/{args.name}: rotated, serial {info['serial']}, until {info['not_after']}")
+    if getattr(args, "keep_old", False):
+        return
+    command = f"ftctl certs revoke --serial {old['serial']} --reason 'rotated'"
+    if connect is None:
+        print(f"the old certificate still works until revoked: {command}", file=sys.stderr)
+        return
+    try:
+        print(revoke(connect, "", str(old["serial"]), f"rotated: replaced by serial {info['serial']}",
+                     serial_identity=f"{args.kind}/{args.name}"))
+    except (grpc.RpcError, ConnectionError, ValueError, PkiError) as exc:
+        print(f"ftctl certs: the old certificate (serial {old['serial']}) is NOT revoked ({exc}); once the "
+              f"coordinator is reachable: {command}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace, env: Mapping[str, str] | None = None, connect: Connect | None = None) -> int:
+    """Runs ``ftctl certs ...``; a :class:`~ftd.identity.PkiError` is printed (it names the file) as exit 1.
+    ``connect``: a client of the coordinator, for ``revoke`` and the revocation after ``rotate``."""
     env = os.environ if env is None else env
     try:
+        if args.certs_command == "revoke":
+            if bool(args.identity) == bool(args.serial):
+                print("ftctl certs revoke: give KIND/NAME or --serial SERIAL (one of them)", file=sys.stderr)
+                return 2
+            if connect is None:
+                print("ftctl certs revoke: needs the coordinator (--coordinator or --workdir)", file=sys.stderr)
+                return 2
+            try:
+                print(revoke(connect, args.identity or "", args.serial or "", args.reason, args.lift))
+            except grpc.RpcError as exc:
+                code = rpc_code(exc)
+                print(f"ftctl certs revoke: {code.name if code else '?'}: {rpc_details(exc)}", file=sys.stderr)
+                return 1
+            return 0
         root = pki_dir(args, env)
         if args.certs_command == "init":
             path = init_ca(root, args.cluster, args.days, force=args.force)
@@ -93,9 +163,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
             path = issue(root, args.kind, args.name, args.host or (), args.days)
             print(f"{args.kind}/{args.name}: {path} (key {paths(root, args.kind, args.name)[1]}, mode 0600)")
         elif args.certs_command == "rotate":
-            path = rotate(root, args.kind, args.name, args.host, args.days)
-            info = certificate_info(path)
-            print(f"{args.kind}/{args.name}: rotated, serial {info['serial']}, until {info['not_after']}")
+            _rotate(root, args, connect)
         else:
             rows = list_certificates(root)
             if args.json:

@@ -105,7 +105,7 @@ def verify(client: CoordinatorClient, job: str, step: int,
         if node is None or node.state != cluster_pb2.NODE_STATE_ALIVE:
             row.update(ok=False, error=f"no alive agent can read {CopyRef(copy.tier, copy.location)}", checked=False)
         else:
-            with rpc.channel(node.agent_address, tls=client.tls) as ch:
+            with rpc.agent_channel(node.agent_address, node.node_id, client.tls) as ch:
                 try:
                     r = agent_pb2_grpc.AgentStub(ch).VerifyCopy(agent_pb2.VerifyCopyRequest(
                         job=job, step=step, rank=shard.rank, tier=copy.tier), timeout=3600)
@@ -156,7 +156,7 @@ def migrations(client: CoordinatorClient) -> list[dict[str, Any]]:
     for node in client.nodes().nodes:
         if node.state != cluster_pb2.NODE_STATE_ALIVE or not node.agent_address:
             continue
-        with rpc.channel(node.agent_address, tls=client.tls) as ch:
+        with rpc.agent_channel(node.agent_address, node.node_id, client.tls) as ch:
             try:
                 info = agent_pb2_grpc.AgentStub(ch).GetInfo(agent_pb2.GetInfoRequest(), timeout=5)
             except grpc.RpcError:

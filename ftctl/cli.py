@@ -188,6 +188,11 @@ def _parser() -> argparse.ArgumentParser:
 
     certs.register(sub)
 
+    ad = sub.add_parser("admit", help="let NODE register as active (a new node is a spare until admitted), or come "
+                                      "back after a drain")
+    ad.add_argument("node", metavar="NODE")
+    ad.add_argument("--spare", action="store_true", help="admit it as a spare only (e.g. back after a drain)")
+
     d = sub.add_parser("drill", help="fault drills against the live cluster, with the measured recovery")
     which = d.add_mutually_exclusive_group(required=True)
     which.add_argument("--kill-node", metavar="NODE", help="SIGKILL this node's training workers and agent")
@@ -278,6 +283,18 @@ def _flag_or_env(args: argparse.Namespace, env: dict[str, str], flag: str, env_n
 def _resolve_coordinator(args: argparse.Namespace, env: dict[str, str]) -> str:
     found = _flag_or_env(args, env, "coordinator", ENV_COORDINATOR, lambda c: c.coordinator_endpoints)
     return found or DEFAULT_COORDINATOR
+
+
+def _certs_connect(args: argparse.Namespace, env: dict[str, str]) -> Callable[[], CoordinatorClient] | None:
+    """How ``ftctl certs revoke|rotate`` reaches the coordinator: only when one is named (``--coordinator``,
+    the environment, a local cluster's ``--workdir``); a PKI directory alone is an offline CA."""
+    workdir = getattr(args, "workdir", None)
+    named = (getattr(args, "coordinator", None) or env.get(ENV_COORDINATOR)
+             or (workdir is not None and localcluster.ClusterFile.path(workdir.resolve()).exists()))
+    if not named:
+        return None
+    return lambda: CoordinatorClient(_resolve_coordinator(args, env), timeout_s=getattr(args, "timeout", None) or 5.0,
+                                     tls=resolve_identity(args, env))
 
 
 def _resolve_token(args: argparse.Namespace, env: dict[str, str]) -> str:
@@ -377,7 +394,7 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             _print_json({**outcome, "report": str(args.report)})
         return 0 if outcome["passed"] else 1
     if args.command == "certs":
-        return certs.run(args, env)
+        return certs.run(args, env, _certs_connect(args, env))
     if args.command == "down":
         if args.workdir is None:
             raise UsageError("ftctl down needs --workdir DIR")
@@ -430,6 +447,9 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
             return 0
         elif args.command == "drain":
             return _drain(client, args)
+        elif args.command == "admit":
+            print(client.call("Admit", coordinator_pb2.AdmitRequest(node_id=args.node, spare=args.spare),
+                              idempotent=True).message)
         elif args.command == "health":
             if args.clear_gpu_faults and not args.node:
                 raise health.HealthCommandError("--clear-gpu-faults needs a NODE")

@@ -153,7 +153,7 @@ class _Stepping:
             address = self.addresses.get(node_id, "")
             if not address:
                 return None
-            self._channel, self._node = rpc.channel(address, tls=self.client.tls), node_id
+            self._channel, self._node = rpc.agent_channel(address, node_id, self.client.tls), node_id
         assert self._channel is not None
         try:
             info = agent_pb2_grpc.AgentStub(self._channel).GetInfo(agent_pb2.GetInfoRequest(), timeout=2.0)
@@ -200,7 +200,7 @@ def run(client: CoordinatorClient, node_id: str, token: str = "", mode: str = "n
     if inject is not None:
         inject()
     else:
-        with rpc.channel(node.agent_address, tls=client.tls) as channel:
+        with rpc.agent_channel(node.agent_address, node.node_id, client.tls) as channel:
             try:
                 agent_pb2_grpc.AgentStub(channel).Kill(agent_pb2.KillRequest(reason=reason, mode=MODES[mode]),
                                                        timeout=5.0, metadata=metadata)

@@ -32,7 +32,7 @@ def check(client: CoordinatorClient, node: str | None = None, timeout_s: float =
             rows.append(row)
             continue
         try:
-            with rpc.channel(n.agent_address, tls=client.tls) as channel:
+            with rpc.agent_channel(n.agent_address, n.node_id, client.tls) as channel:
                 verdict = agent_pb2_grpc.AgentStub(channel).CheckHealth(agent_pb2.CheckHealthRequest(),
                                                                         timeout=timeout_s)
         except grpc.RpcError as exc:
@@ -54,7 +54,7 @@ def clear_gpu_faults(client: CoordinatorClient, node: str, reason: str = "ftctl 
         raise HealthCommandError(f"node {node} has no reachable agent "
                                  f"({cluster_pb2.NodeState.Name(n.state).removeprefix('NODE_STATE_').lower()})")
     try:
-        with rpc.channel(n.agent_address, tls=client.tls) as channel:
+        with rpc.agent_channel(n.agent_address, n.node_id, client.tls) as channel:
             answer = agent_pb2_grpc.AgentStub(channel).ClearGpuFaults(
                 agent_pb2.ClearGpuFaultsRequest(reason=reason), timeout=timeout_s)
     except grpc.RpcError as exc:

@@ -334,6 +334,9 @@ def up(
                     "--replica-id", f"coordinator-{i}", "--cluster", CLUSTER, "--pki-dir", str(pki_dir),
                     *etcd_tls, "--ready-file", str(ready), *(train.coordinator_args(nodes) if train else []),
                     *(["--unmanaged-jobs"] if unmanaged_jobs else []),
+                    # the initial active nodes, admitted by the operator who creates the cluster; any other
+                    # node registers as a spare until 'ftctl admit' (docs/security.md#admission)
+                    "--admitted-nodes", ",".join(f"node-{n}" for n in range(nodes)),
                     *(["--etcd-quota-bytes", str(etcd_quota_bytes)] if etcd_quota_bytes else []),
                     *(extra_coordinator_args or [])]
             proc = _spawn(isolated.wrap(iso, f"coordinator-{i}", argv) if iso else argv, log)

@@ -34,12 +34,15 @@ NODE_SELF = Rule("node_self", "nodes act only as themselves")
 JOB_MEMBER = Rule("job_member", "nodes report hangs only for jobs they are members of")
 ROUND_RANK0 = Rule("round_rank0", "only the round's rank 0 publishes its store, at its registered host")
 OPERATOR_ONLY = Rule("operator_only", "only operators close jobs, roll back, invalidate checkpoints, forget a job's "
-                                       "checkpoints, verify copies, clear GPU faults and run drills")
+                                       "checkpoints, verify copies, clear GPU faults, run drills, revoke "
+                                       "certificates and admit nodes")
 LOCAL_ONLY = Rule("local_only", "only the training process on this node, over the agent's Unix socket")
 AGENT_PEERS = Rule("agent_peers", "only the cluster's agents stream checkpoint shards to each other")
+REVOKED = Rule("revoked", "a revoked identity or certificate (ftctl certs revoke; the old one of a rotation) acts no "
+                          "more, checked before the table")
 
 RULES: tuple[Rule, ...] = (UNKNOWN_METHOD, AUTHENTICATED, SAME_CLUSTER, READ, NODE_ONLY, NODE_SELF, JOB_MEMBER,
-                           ROUND_RANK0, OPERATOR_ONLY, LOCAL_ONLY, AGENT_PEERS)
+                           ROUND_RANK0, OPERATOR_ONLY, LOCAL_ONLY, AGENT_PEERS, REVOKED)
 
 # Kinds whose certificate speaks for one node: their ``self_field`` checks bind them to its name.
 NODE_KINDS = frozenset({"node", "rendezvous"})
@@ -119,6 +122,11 @@ TABLE: dict[str, Policy] = {
     _C + "ReportHang": Policy(_NODE, NODE_ONLY, "node_id", facts=(JOB_MEMBERS,)),
     # a planned hand-over: the node's own agent (a spot notice) or an operator (ftctl drain)
     _C + "Drain": Policy(_NODE | _OPERATOR, NODE_ONLY, "node_id"),
+    # the deny list (ftctl certs revoke) and who may hold a rank (ftctl admit): operators write them ...
+    _C + "Revoke": Policy(_OPERATOR, OPERATOR_ONLY),
+    _C + "Admit": Policy(_OPERATOR, OPERATOR_ONLY),
+    # ... agents fetch the deny list to refuse revoked peers themselves
+    _C + "GetDenyList": Policy(READERS, READ),
     # ---- the agent: its training process over the Unix socket, operators and peers over mTLS ----
     _A + "GetInfo": Policy(_AGENT_READERS, READ),
     _A + "ReportProgress": Policy(_LOCAL, LOCAL_ONLY),

@@ -29,6 +29,7 @@ from ftd.identity import (
     CLUSTER_RE,
     DEFAULT_HOSTS,
     DEFAULT_OPERATOR,
+    SERVER_DOMAIN,
     TRUST_DOMAIN,
     PkiError,
     ca_paths,
@@ -39,6 +40,7 @@ from ftd.identity import (
     paths,
     public_key_der,
     read_file,
+    server_name,
     spiffe_uri,
     utc_now,
 )
@@ -195,8 +197,9 @@ def _sign_leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, cluster
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, cluster),
                          x509.NameAttribute(NameOID.COMMON_NAME, f"ftd-{kind}")])
     etcd = [ETCD_CLIENT_HOST] if kind in ETCD_CLIENT_KINDS else []  # the name etcd admits clients by
+    served = server_name(kind, name)  # the name clients verify this server by (ftd.identity.server_name)
     san = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(spiffe_uri(cluster, kind, name)),
-                                       *_host_sans([*hosts, *etcd])])
+                                       *_host_sans([*hosts, *etcd]), *([x509.DNSName(served)] if served else [])])
     cert = (
         x509.CertificateBuilder().subject_name(subject).issuer_name(ca.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -222,6 +225,10 @@ def issue(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] = (), days: 
     replace an existing one unless ``force`` (use :func:`rotate`). Returns the certificate's path."""
     pki_dir = Path(pki_dir)
     crt_path, key_path = paths(pki_dir, kind, name)
+    reserved = [h for h in hosts if h.strip().strip(".").lower().endswith(SERVER_DOMAIN)]
+    if reserved:
+        raise PkiError(f"host {reserved[0]!r} for {kind}/{name}: names under {SERVER_DOMAIN} are the CA's, given "
+                       "only to the server they name (a client verifies a coordinator or an agent by them)")
     if days < 0:
         raise PkiError(f"bad validity for {kind}/{name}: {days} days")
     if not force and crt_path.exists():
@@ -252,8 +259,22 @@ def bootstrap(pki_dir: Path, cluster: str, nodes: Iterable[str] = (), coordinato
         raise PkiError(f"the CA in {ca_path} is of cluster {existing!r}, not {cluster!r}")
     wanted = [("operator", DEFAULT_OPERATOR), *(("node", n) for n in nodes), *(("rendezvous", n) for n in nodes),
               *(("coordinator", c) for c in coordinators), *(("etcd", m) for m in etcd)]
-    return [issue(pki_dir, kind, name, hosts, days) for kind, name in wanted
-            if not paths(pki_dir, kind, name)[0].exists()]
+    return [issue(pki_dir, kind, name, hosts, days, force=True) for kind, name in wanted
+            if not paths(pki_dir, kind, name)[0].exists() or _lacks_server_name(pki_dir, kind, name)]
+
+
+def _lacks_server_name(pki_dir: Path, kind: str, name: str) -> bool:
+    """A certificate issued before servers carried the name their clients verify (issue 20): ``ftctl
+    up`` issues it again, or every client would refuse the server."""
+    served = server_name(kind, name)
+    if served is None:
+        return False
+    try:
+        cert = load_certs(paths(pki_dir, kind, name)[0], f"{kind} certificate")[0]
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (PkiError, x509.ExtensionNotFound):
+        return True
+    return served not in san.get_values_for_type(x509.DNSName)
 
 
 def rotate(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] | None = None, days: int = LEAF_DAYS) -> Path:

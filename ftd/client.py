@@ -10,7 +10,8 @@ Transport security: ``tls`` is the caller's identity (:class:`~ftd.identity.Iden
 checks the files' stamp at most once a second; after a rotation, new calls go over channels opened
 with the new certificate, while calls in flight (a heartbeat stream) keep their connection. Without
 ``tls`` the client uses the identity registered for those endpoints by :func:`remember_identity`
-(what :func:`ftd.ftctl.localcluster.up` does for the cluster it started), else plaintext.
+(what :func:`ftd.ftctl.localcluster.up` does for the cluster it started), else plaintext. Over TLS the
+server must present a coordinator's certificate (:data:`~ftd.identity.COORDINATOR_SERVER_NAME`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from ftd.identity import IdentityFiles, PkiError, TlsMaterial
+from ftd.identity import COORDINATOR_SERVER_NAME, IdentityFiles, PkiError, TlsMaterial
 from ftd.rpc import Tls, parse_endpoints, rpc_code, rpc_details
 from ftd.rpc import channel as open_channel
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -139,7 +140,9 @@ class CoordinatorClient:
             self._check_rotation()
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = open_channel(endpoint, tls=self._material)
+                # The server must prove it is a coordinator (its certificate's coordinator.ftd.internal), not
+                # only some certificate of the CA for this address: a node's would do for 127.0.0.1.
+                channel = open_channel(endpoint, tls=self._material, server_name=COORDINATOR_SERVER_NAME)
                 self._channels[endpoint] = channel
         return coordinator_pb2_grpc.CoordinatorStub(channel)
 

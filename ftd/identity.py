@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import logging
 import re
 import time
@@ -120,6 +121,27 @@ def parse_spiffe(uri: str) -> Identity | None:
     return Identity(kind, name, cluster)
 
 
+# A server's name as its clients verify it (``grpc.ssl_target_name_override``): a DNS SAN that only the
+# CA puts in a certificate of that kind, so a node's certificate cannot pass for a coordinator's (every
+# certificate also names 127.0.0.1/localhost, which said nothing about whose it is).
+SERVER_DOMAIN = "ftd.internal"
+COORDINATOR_SERVER_NAME = f"coordinator.{SERVER_DOMAIN}"
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def server_name(kind: str, name: str) -> str | None:
+    """The DNS SAN a server of ``kind``/``name`` carries for its clients to verify: every coordinator
+    replica ``coordinator.ftd.internal`` (a client follows the leader among them), a node's agent
+    ``<name>.agent.ftd.internal``; ``None`` for kinds that serve no ftd gRPC."""
+    if kind == "coordinator":
+        return COORDINATOR_SERVER_NAME
+    if kind == "node":  # a name that is no DNS label by itself goes by its digest, in a label of its own
+        plain = _DNS_LABEL.fullmatch(name)
+        label = name if plain else f"{hashlib.sha256(name.encode()).hexdigest()[:40]}.h"
+        return f"{label}.agent.{SERVER_DOMAIN}"
+    return None
+
+
 def paths(pki_dir: Path, kind: str, name: str) -> tuple[Path, Path]:
     """Where the certificate and key of ``kind``/``name`` live under ``pki_dir``."""
     check_name(kind, name)
@@ -183,7 +205,7 @@ def cert_hosts(cert: x509.Certificate) -> list[str]:
     except x509.ExtensionNotFound:
         return []
     hosts = [*san.get_values_for_type(x509.DNSName), *(str(ip) for ip in san.get_values_for_type(x509.IPAddress))]
-    return [h for h in hosts if h not in DEFAULT_HOSTS]
+    return [h for h in hosts if h not in DEFAULT_HOSTS and not h.lower().endswith(SERVER_DOMAIN)]
 
 
 def cert_identity(cert: x509.Certificate) -> Identity | None:

@@ -22,7 +22,7 @@ from typing import TypeAlias
 import grpc
 from grpc import aio
 
-from ftd.identity import IdentityFiles, PkiError, TlsMaterial
+from ftd.identity import IdentityFiles, PkiError, TlsMaterial, server_name
 
 log = logging.getLogger("ftd.rpc")
 
@@ -110,8 +110,9 @@ def _client_options(options: Sequence[Option], server_name: str | None) -> list[
     out: list[Option] = [*((k, v) for k, v in CHANNEL_OPTIONS if k != "grpc.min_reconnect_backoff_ms"),
                          ("grpc.min_reconnect_backoff_ms", TLS_CONNECT_TIMEOUT_MS), *options]
     if server_name:
-        # Verify the server's certificate for this name rather than the dialled host: only for a
-        # server reached at an address its certificate does not name (a NAT, a load balancer).
+        # Verify the server's certificate for this name rather than the dialled host: the name only the
+        # CA gives a server of the expected kind (ftd.identity.server_name), or, for a server reached at
+        # an address its certificate does not name (a NAT, a load balancer), that name.
         out.append(("grpc.ssl_target_name_override", server_name))
     return out
 
@@ -123,6 +124,12 @@ def channel(target: str, options: Sequence[Option] = (), tls: Tls | None = None,
     if tls is None or is_local(target):
         return grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])
     return grpc.secure_channel(target, client_credentials(tls), options=_client_options(options, server_name))
+
+
+def agent_channel(address: str, node_id: str, tls: Tls | None = None) -> grpc.Channel:
+    """A channel to the agent of ``node_id`` at ``address`` that over TLS accepts only that node's agent
+    certificate (its :func:`~ftd.identity.server_name`), not any certificate naming the address."""
+    return channel(address, tls=tls, server_name=server_name("node", node_id) if tls is not None else None)
 
 
 def aio_channel(target: str, options: Sequence[Option] = (), tls: Tls | None = None,

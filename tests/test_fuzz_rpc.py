@@ -59,7 +59,8 @@ PLAUSIBLE: dict[str, list[Any]] = {
     "corrupt_reason": ["", "crc mismatch"], "page_token": ["", "b", "j/000000000100", "5"],
     "step": [0, 1, 100, 200], "rank": [0, 1, 2], "world_size": [1, 2], "round": list(range(8)),
     "last_round": [-1, 0, 1], "limit": [0, 1, 5], "page_size": [0, 1, 2], "epoch": [0, 1],
-    "on_no_spare": ["", "shrink", "wait"],
+    "on_no_spare": ["", "shrink", "wait"], "identity": ["node/a", "node/ghost", ""], "serial": ["", "ab12"],
+    "serial_identity": ["", "node/a"],
 }
 INTS = {
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),

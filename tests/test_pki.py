@@ -64,7 +64,8 @@ def test_issue_node_with_identity_and_hosts(root: Path) -> None:
     cert = load_cert(crt)
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["spiffe://ftd/c1/node/node-1"]
-    assert set(san.get_values_for_type(x509.DNSName)) == {"localhost", "node-1.example"}
+    # the name a client verifies the agent by (ftd.identity.server_name), beside the given hosts
+    assert set(san.get_values_for_type(x509.DNSName)) == {"localhost", "node-1.example", "node-1.agent.ftd.internal"}
     assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "::1", "10.0.0.7"}
     eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}

@@ -26,6 +26,176 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class RevokeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    SERIAL_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SERIAL_IDENTITY_FIELD_NUMBER: _builtins.int
+    LIFT_FIELD_NUMBER: _builtins.int
+    identity: _builtins.str
+    """"kind/name" (e.g. "node/node-1"): every certificate of it; or"""
+    serial: _builtins.str
+    """one certificate, by its serial number in hex (a rotated one)"""
+    reason: _builtins.str
+    serial_identity: _builtins.str
+    """the identity the serial was issued to (for the record)"""
+    lift: _builtins.bool
+    """remove the entry instead (a revoked identity re-issued a new key)"""
+    def __init__(
+        self,
+        *,
+        identity: _builtins.str = ...,
+        serial: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        serial_identity: _builtins.str = ...,
+        lift: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "lift", b"lift", "reason", b"reason", "serial", b"serial", "serial_identity", b"serial_identity"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeRequest: _TypeAlias = RevokeRequest  # noqa: Y015
+
+@_typing.final
+class RevokeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeResponse: _TypeAlias = RevokeResponse  # noqa: Y015
+
+@_typing.final
+class GetDenyListRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KNOWN_VERSION_FIELD_NUMBER: _builtins.int
+    known_version: _builtins.int
+    """the version the caller holds (0: none)"""
+    def __init__(
+        self,
+        *,
+        known_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known_version", b"known_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDenyListRequest: _TypeAlias = GetDenyListRequest  # noqa: Y015
+
+@_typing.final
+class DenyListEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """"kind/name" or a serial in hex"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DenyListEntry: _TypeAlias = DenyListEntry  # noqa: Y015
+
+@_typing.final
+class DenyListResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    UNCHANGED_FIELD_NUMBER: _builtins.int
+    IDENTITIES_FIELD_NUMBER: _builtins.int
+    SERIALS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    unchanged: _builtins.bool
+    """known_version is current: no entries sent"""
+    @_builtins.property
+    def identities(self) -> _containers.RepeatedCompositeFieldContainer[Global___DenyListEntry]: ...
+    @_builtins.property
+    def serials(self) -> _containers.RepeatedCompositeFieldContainer[Global___DenyListEntry]: ...
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        unchanged: _builtins.bool = ...,
+        identities: _abc.Iterable[Global___DenyListEntry] | None = ...,
+        serials: _abc.Iterable[Global___DenyListEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identities", b"identities", "serials", b"serials", "unchanged", b"unchanged", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DenyListResponse: _TypeAlias = DenyListResponse  # noqa: Y015
+
+@_typing.final
+class AdmitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    SPARE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    spare: _builtins.bool
+    """admit it again after a drain, as a spare only (default: as active)"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        spare: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "spare", b"spare"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitRequest: _TypeAlias = AdmitRequest  # noqa: Y015
+
+@_typing.final
+class AdmitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitResponse: _TypeAlias = AdmitResponse  # noqa: Y015
+
+@_typing.final
 class GetGoodputRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

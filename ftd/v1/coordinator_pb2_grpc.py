@@ -130,6 +130,21 @@ class CoordinatorStub:
                 request_serializer=ftd_dot_v1_dot_coordinator__pb2.GetGoodputRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_coordinator__pb2.GoodputReport.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/ftd.v1.Coordinator/Revoke',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.RevokeResponse.FromString,
+                _registered_method=True)
+        self.GetDenyList = channel.unary_unary(
+                '/ftd.v1.Coordinator/GetDenyList',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.GetDenyListRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.DenyListResponse.FromString,
+                _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/ftd.v1.Coordinator/Admit',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.AdmitResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -272,6 +287,29 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Access (docs/security.md#revocation): an operator revokes an identity or one certificate serial
+        (every call of it is refused with PERMISSION_DENIED naming "revoked", on the coordinator and, within
+        the deny list's TTL, on every agent); agents fetch the deny list (unchanged = nothing but the version
+        when known_version is current). Admit: an operator lets a node register as ACTIVE (a new node
+        registers as a spare otherwise) and lets a drained node register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDenyList(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Admit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -369,6 +407,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetGoodput,
                     request_deserializer=ftd_dot_v1_dot_coordinator__pb2.GetGoodputRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_coordinator__pb2.GoodputReport.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.RevokeRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.RevokeResponse.SerializeToString,
+            ),
+            'GetDenyList': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDenyList,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.GetDenyListRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.DenyListResponse.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.AdmitRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.AdmitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -884,6 +937,87 @@ class Coordinator:
             '/ftd.v1.Coordinator/GetGoodput',
             ftd_dot_v1_dot_coordinator__pb2.GetGoodputRequest.SerializeToString,
             ftd_dot_v1_dot_coordinator__pb2.GoodputReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/Revoke',
+            ftd_dot_v1_dot_coordinator__pb2.RevokeRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.RevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDenyList(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/GetDenyList',
+            ftd_dot_v1_dot_coordinator__pb2.GetDenyListRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.DenyListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftd.v1.Coordinator/Admit',
+            ftd_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.AdmitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,6 +87,15 @@ class CoordinatorStub:
     on steps that were kept, the time lost by cause, each incident. NOT_FOUND for a job that made no
     step under this cluster's leaders; INVALID_ARGUMENT for a negative or non-finite since_s.
     """
+    Revoke: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RevokeRequest, _coordinator_pb2.RevokeResponse]
+    """Access (docs/security.md#revocation): an operator revokes an identity or one certificate serial
+    (every call of it is refused with PERMISSION_DENIED naming "revoked", on the coordinator and, within
+    the deny list's TTL, on every agent); agents fetch the deny list (unchanged = nothing but the version
+    when known_version is current). Admit: an operator lets a node register as ACTIVE (a new node
+    registers as a spare otherwise) and lets a drained node register again.
+    """
+    GetDenyList: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetDenyListRequest, _coordinator_pb2.DenyListResponse]
+    Admit: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AdmitRequest, _coordinator_pb2.AdmitResponse]
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -141,6 +150,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     on steps that were kept, the time lost by cause, each incident. NOT_FOUND for a job that made no
     step under this cluster's leaders; INVALID_ARGUMENT for a negative or non-finite since_s.
     """
+    Revoke: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RevokeRequest, _coordinator_pb2.RevokeResponse]  # type: ignore[assignment]
+    """Access (docs/security.md#revocation): an operator revokes an identity or one certificate serial
+    (every call of it is refused with PERMISSION_DENIED naming "revoked", on the coordinator and, within
+    the deny list's TTL, on every agent); agents fetch the deny list (unchanged = nothing but the version
+    when known_version is current). Admit: an operator lets a node register as ACTIVE (a new node
+    registers as a spare otherwise) and lets a drained node register again.
+    """
+    GetDenyList: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetDenyListRequest, _coordinator_pb2.DenyListResponse]  # type: ignore[assignment]
+    Admit: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AdmitRequest, _coordinator_pb2.AdmitResponse]  # type: ignore[assignment]
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -306,5 +324,32 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         on steps that were kept, the time lost by cause, each incident. NOT_FOUND for a job that made no
         step under this cluster's leaders; INVALID_ARGUMENT for a negative or non-finite since_s.
         """
+
+    @_abc_1.abstractmethod
+    def Revoke(
+        self,
+        request: _coordinator_pb2.RevokeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.RevokeResponse, _abc.Awaitable[_coordinator_pb2.RevokeResponse]]:
+        """Access (docs/security.md#revocation): an operator revokes an identity or one certificate serial
+        (every call of it is refused with PERMISSION_DENIED naming "revoked", on the coordinator and, within
+        the deny list's TTL, on every agent); agents fetch the deny list (unchanged = nothing but the version
+        when known_version is current). Admit: an operator lets a node register as ACTIVE (a new node
+        registers as a spare otherwise) and lets a drained node register again.
+        """
+
+    @_abc_1.abstractmethod
+    def GetDenyList(
+        self,
+        request: _coordinator_pb2.GetDenyListRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.DenyListResponse, _abc.Awaitable[_coordinator_pb2.DenyListResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Admit(
+        self,
+        request: _coordinator_pb2.AdmitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AdmitResponse, _abc.Awaitable[_coordinator_pb2.AdmitResponse]]: ...
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
