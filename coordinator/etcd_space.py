@@ -27,11 +27,10 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
-from ftd.etcd_client import make_client, parse_endpoints
+from ftd.etcd_client import current_member, make_client, parse_endpoints
 
 log = logging.getLogger("ftd.coordinator")
 
@@ -143,34 +142,30 @@ def may_disarm(db_size: int, config: SpaceConfig) -> tuple[bool, str]:
 
 
 class EtcdSpace:
-    """The etcd calls of the space keeper: one client per member (a defragmentation and the file size are
-    per member), made inside the caller's :func:`ftd.etcd_client.using_tls`."""
+    """The etcd calls of the space keeper: a failover client for the keys, alarms and compaction, and one
+    client per member for what is per member (the file's size, a defragmentation); made inside the
+    caller's :func:`ftd.etcd_client.using_tls`."""
 
     def __init__(self, endpoints: str, timeout_s: float = 30.0) -> None:
+        self.any = make_client(endpoints, timeout_s)
         self.members = [make_client(f"{host}:{port}", timeout_s) for host, port in parse_endpoints(endpoints)]
 
-    def _each(self) -> list[Any]:
-        return self.members
-
-    def read(self) -> Reading:
-        sizes, revision, nospace = [], 0, False
-        for client in self._each():
+    def _sizes(self) -> list[int]:
+        sizes = []
+        for client in self.members:
             with contextlib.suppress(Exception):  # a member down: the others say how large the file is
                 sizes.append(int(client.status().db_size))
-        first = self.members[0]
-        for client in self._each():
-            try:
-                nospace = any(a.alarm_type == NOSPACE_ALARM for a in client.list_alarms())
-                break
-            except Exception:
-                continue
+        return sizes
+
+    def read(self) -> Reading:
+        nospace = any(a.alarm_type == NOSPACE_ALARM for a in self.any.list_alarms())
         items: list[tuple[str, int]] = []
         start = RENDEZVOUS_ROOT.encode()
         end = start[:-1] + bytes([start[-1] + 1])
-        limit = PAGE
+        limit, revision = PAGE, 0
         while True:
             try:
-                resp = first.get_range_response(start, end, limit=limit)
+                resp = self.any.get_range_response(start, end, limit=limit)
             except grpc.RpcError as exc:
                 # A page of large values over gRPC's 4 MiB: fewer keys a page (etcd takes at most
                 # 1.5 MiB a request, so two always fit).
@@ -183,41 +178,40 @@ class EtcdSpace:
             if not resp.more or not resp.kvs:
                 break
             start = resp.kvs[-1].key + b"\0"
-        return Reading(max(sizes, default=0), revision, nospace, usage_by_run(items))
+        return Reading(max(self._sizes(), default=0), revision, nospace, usage_by_run(items))
 
-    def clean(self, prefixes: Sequence[str]) -> int:
-        """Deletes every key of each run (a delete is allowed under NOSPACE); returns the newest revision."""
-        revision = 0
+    def clean(self, prefixes: Sequence[str]) -> None:
+        """Deletes every key of each run (a delete is allowed under NOSPACE)."""
         for prefix in prefixes:
-            resp = self.members[0].delete_prefix(prefix)
-            revision = max(revision, int(resp.header.revision))
-        return revision
+            self.any.delete_prefix(prefix)
 
     def newest_revision(self) -> int:
-        return int(self.members[0].get_response("/ftd/").header.revision)
+        return int(self.any.get_response("/ftd/").header.revision)
 
     def compact(self, revision: int) -> None:
         try:
-            self.members[0].compact(revision, physical=True)
+            self.any.compact(revision, physical=True)
         except grpc.RpcError as exc:  # compacted already (by a pass of another leader): nothing to do
             if exc.code() is not grpc.StatusCode.OUT_OF_RANGE:
                 raise
 
     def defragment(self) -> int:
-        """Defragments every member, one at a time (each blocks its member meanwhile); returns the largest
-        file after."""
-        for client in self._each():
-            client.defragment()
-        return max(int(c.status().db_size) for c in self._each())
+        """Defragments every member it reaches, one at a time (each blocks its member meanwhile); returns
+        the largest file after."""
+        for client in self.members:
+            try:
+                client.defragment()
+            except Exception as exc:  # a member down is defragmented by a later pass
+                log.warning("etcd space: cannot defragment member %s: %r", current_member(client), exc)
+        return max(self._sizes(), default=0)
 
     def disarm(self) -> None:
-        for client in self._each()[:1]:
-            for alarm in list(client.list_alarms()):
-                if alarm.alarm_type == NOSPACE_ALARM:
-                    client.disarm_alarm(alarm.member_id)
+        for alarm in list(self.any.list_alarms()):
+            if alarm.alarm_type == NOSPACE_ALARM:
+                self.any.disarm_alarm(alarm.member_id)
 
     def close(self) -> None:
-        for client in self.members:
+        for client in [self.any, *self.members]:
             with contextlib.suppress(Exception):
                 client.close()
 
