@@ -61,6 +61,9 @@ from .landing import Slot
 log = logging.getLogger("ftd.agent.bulk_copy")
 CHUNK_BYTES = 1 << 20  # per record: measured a little faster than 4 MiB (the buffers stay in cache)
 OFFER_TTL_S = 60.0
+ID_TIMEOUT_S = 5.0  # a connection must present its transfer id this soon
+MAX_UNIDENTIFIED = 64  # connections not yet past their transfer id; more are closed at once
+SEND_IDLE_S = 30.0  # a receiver that takes no bytes this long is dropped (agent setting peer_idle_timeout_s)
 TAG = 16
 _ID_BYTES = 16
 _DEPTH = 3  # opened records waiting for the receiver's writer thread
@@ -93,6 +96,7 @@ class Offer:
     files: tuple[OfferedFile, ...]
     expires: float
     pace: Callable[[int], None] | None = None  # called before each record with its size (a rate cap)
+    done: Callable[[], None] | None = None  # called once when the offer is sent, fails, expires or is withdrawn
 
 
 def shard_files(backend: StorageBackend, job: str, step: int, rank: int) -> list[OfferedFile]:
@@ -139,33 +143,50 @@ class BulkServer:
     once, to whoever presents its transfer id first, within :data:`OFFER_TTL_S`."""
 
     def __init__(self, host: str, port: int = 0, chunk_bytes: int = CHUNK_BYTES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, idle_s: float = SEND_IDLE_S) -> None:
         self.host = host
         self.port = port
         self.chunk_bytes = chunk_bytes
         self.clock = clock
+        self.idle_s = idle_s
+        self._unidentified = threading.BoundedSemaphore(MAX_UNIDENTIFIED)
         self._offers: dict[bytes, Offer] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._closed = False
 
-    def offer(self, files: Sequence[OfferedFile], pace: Callable[[int], None] | None = None) -> tuple[int, Offer]:
+    def offer(self, files: Sequence[OfferedFile], pace: Callable[[int], None] | None = None,
+              done: Callable[[], None] | None = None) -> tuple[int, Offer]:
         """Registers one copy; returns the port and the offer (its transfer id and key for the answer).
-        ``pace`` is called before each record is sent, with its size (a bandwidth cap sleeps there)."""
-        port = self._listen()
-        now = self.clock()
+        ``pace`` is called before each record is sent, with its size (a bandwidth cap sleeps there);
+        ``done`` once the offer is over (sent, failed, expired or withdrawn: a peer's ticket released)."""
+        try:
+            port = self._listen()
+        except BaseException:
+            if done is not None:
+                done()
+            raise
         offer = Offer(secrets.token_bytes(_ID_BYTES), AESGCM.generate_key(bit_length=128), tuple(files),
-                      now + OFFER_TTL_S, pace)
+                      self.clock() + OFFER_TTL_S, pace, done)
+        self.purge()
         with self._lock:
-            for tid in [t for t, o in self._offers.items() if o.expires < now]:
-                del self._offers[tid]
             self._offers[offer.transfer] = offer
         return port, offer
+
+    def purge(self) -> None:
+        """Forgets the offers past their time (their ``done`` called)."""
+        now = self.clock()
+        with self._lock:
+            gone = [self._offers.pop(t) for t, o in list(self._offers.items()) if o.expires < now]
+        for offer in gone:
+            _finished(offer)
 
     def withdraw(self, transfer: bytes) -> None:
         """Forgets an offer nobody took (a copy already in flight goes on)."""
         with self._lock:
-            self._offers.pop(transfer, None)
+            offer = self._offers.pop(transfer, None)
+        if offer is not None:
+            _finished(offer)
 
     def _listen(self) -> int:
         with self._lock:
@@ -192,23 +213,38 @@ class BulkServer:
                 conn, peer = sock.accept()
             except OSError:
                 return  # closed
+            if not self._unidentified.acquire(blocking=False):  # a flood of idle connections: not one thread each
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, peer), name="ftd-bulk-send", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
+        offer: Offer | None = None
         with conn:
             try:
-                conn.settimeout(10.0)
-                transfer = _recv_exact(conn, _ID_BYTES)
+                try:
+                    conn.settimeout(ID_TIMEOUT_S)
+                    transfer = _recv_exact(conn, _ID_BYTES)
+                finally:
+                    self._unidentified.release()
                 with self._lock:
                     offer = self._offers.pop(transfer, None)
                 if offer is None or offer.expires < self.clock():
                     log.warning("fast peer copy: refused a connection from %s with an unknown or expired transfer id",
                                 peer)
                     return
-                conn.settimeout(120.0)
+                conn.settimeout(self.idle_s)  # per record: a receiver that stops reading is dropped
                 _send(conn, offer, self.chunk_bytes)
             except (OSError, BulkError) as exc:
                 log.warning("fast peer copy to %s stopped: %s", peer, exc)
+            finally:
+                if offer is not None:
+                    _finished(offer)
+
+
+def _finished(offer: Offer) -> None:
+    if offer.done is not None:
+        offer.done()
 
 
 def _send(conn: socket.socket, offer: Offer, chunk: int) -> None:

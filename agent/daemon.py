@@ -27,6 +27,7 @@ from ftd.identity import identity_of
 from ftd.logs import set_identity
 from ftd.storage_backends.memory import default_capacity
 from ftd.storage_backends.tiers import open_tiers
+from ftd.throttle import LogThrottle
 from ftd.v1 import agent_pb2, cluster_pb2
 
 from . import landing, rtt, tiers_wire
@@ -39,6 +40,8 @@ from .heartbeat import Identity, Session
 from .landing import LandingReserve
 from .metrics import AgentMetrics
 from .peer_copy import PeerFetcher
+from .peer_limits import Limits, PeerLimiter
+from .peer_rules import View, view_of
 from .peers import Buddy, address_of, buddy_of
 from .preemption import PreemptionWatcher
 from .replicator import ReplicationMetrics, Replicator
@@ -100,6 +103,15 @@ class AgentDaemon:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=24, thread_name_prefix="ftd-agent-rpc"),
                                   options=rpc.SERVER_OPTIONS,
                                   interceptors=[AuthzInterceptor(self.guard)] if self.guard is not None else None)
+        # The training's own calls (the Unix socket) on a server and threads of their own: no peer's
+        # streams can take them (agent.peer_limits bounds each peer on the TCP port).
+        self.local_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=MAX_SAVES_IN_FLIGHT // 2, thread_name_prefix="ftd-agent-local"),
+            options=rpc.SERVER_OPTIONS,
+            interceptors=[AuthzInterceptor(self.guard)] if self.guard is not None else None)
+        self.peer_limiter = PeerLimiter(Limits(settings.peer_max_streams, settings.peer_max_inflight_mb << 20,
+                                               settings.peer_idle_timeout_s))
+        self.denials = LogThrottle(logging.getLogger("ftd.rpc"), 10.0, max_kinds=256)
         self.address = ""
         self.metrics_address = ""
         self.client = CoordinatorClient(settings.coordinators, timeout_s=settings.coordinator_timeout_s,
@@ -124,7 +136,8 @@ class AgentDaemon:
         self._rtt_key: tuple[str, int, bytes] | None = None  # (leader, epoch, peers) the targets were chosen for
         spool = settings.mem_path if self.tiering.mem is not None else settings.tiers["ssd"]
         listen_host = settings.listen.rpartition(":")[0].strip("[]")
-        self.bulk = BulkServer(listen_host, settings.peer_copy_port) if settings.peer_copy_port >= 0 else None
+        self.bulk = (BulkServer(listen_host, settings.peer_copy_port, idle_s=settings.peer_idle_timeout_s)
+                     if settings.peer_copy_port >= 0 else None)
         # Room prepared in the memory tier for what a restore pulls (agent.landing): on a spare, by default.
         self.landing = (LandingReserve(spool / ".peer-copies" / ".landing", self.metrics.landing_ready.set,
                                        self.metrics.landing_used.inc)
@@ -146,6 +159,13 @@ class AgentDaemon:
         coordinator's assignment names it; "" when unknown or gone."""
         session = getattr(self, "session", None)
         return address_of(session.assignment, node_id) if session is not None else ""
+
+    def peer_view(self) -> View:
+        """This node's view of the job for its data-plane rules (agent.peer_rules), from its assignment."""
+        session = getattr(self, "session", None)
+        if session is None:
+            return View(self.node_id)
+        return view_of(self.node_id, session.assignment, self.settings.nproc_per_node if self.settings.train_cmd else 0)
 
     def _buddy(self) -> Buddy:
         """The buddy the coordinator chose for this node (the replicator's target)."""
@@ -418,6 +438,7 @@ class AgentDaemon:
         if sock.exists():
             sock.unlink()  # a stale socket of a previous run; ours is created by bind below
         add_services(self.server, self)
+        add_services(self.local_server, self)
         host, _, port = s.listen.rpartition(":")
         if self.identity is None:
             log.warning("no pki_dir: the agent's TCP port %s is PLAINTEXT without authorization; anyone who reaches "
@@ -428,7 +449,8 @@ class AgentDaemon:
         # Registered as the address others dial: a wildcard listen address means "reach me at my host".
         reach = s.effective_host if host.strip("[]") in ("0.0.0.0", "::", "") else host.strip("[]")
         self.address = f"{reach}:{bound}"
-        bind_private_socket(self.server, sock)
+        bind_private_socket(self.local_server, sock)
+        self.local_server.start()
         self.server.start()
         if s.metrics_listen:
             mhost, _, mport = s.metrics_listen.rpartition(":")
@@ -530,6 +552,7 @@ class AgentDaemon:
         if self.preemption is not None:
             self.preemption.stop(timeout_s=2.0)
         self.server.stop(grace=1.0).wait(2.0)
+        self.local_server.stop(grace=1.0).wait(2.0)
         if self.bulk is not None:
             self.bulk.close()
         if self.landing is not None:

@@ -36,6 +36,14 @@ class DrillDenied(AgentError):
     """A drill (Kill) came without this node's drill token, the second factor on top of mTLS."""
 
 
+class PeerDenied(AgentError):
+    """A peer may not read or write this shard (agent/peer_rules.py): the message names the rule."""
+
+
+class PeerBusy(AgentError):
+    """A peer has reached its limit of concurrent streams or bytes in flight (agent/peer_limits.py)."""
+
+
 class NoRoom(AgentError):
     """Taking the copy would exceed a tier's byte budget; nothing was written."""
 
@@ -88,6 +96,8 @@ GRPC_CODES: dict[type[AgentError], grpc.StatusCode] = {
     BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NodeCannot: grpc.StatusCode.FAILED_PRECONDITION,
     DrillDenied: grpc.StatusCode.PERMISSION_DENIED,
+    PeerDenied: grpc.StatusCode.PERMISSION_DENIED,
+    PeerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoRoom: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NoFastCopy: grpc.StatusCode.UNIMPLEMENTED,  # the caller falls back to the ReadShard stream
     TierUnavailable: grpc.StatusCode.UNAVAILABLE,
@@ -132,6 +142,6 @@ def peer_error(exc: BaseException) -> AgentError | None:
 
 __all__ = [
     "GRPC_CODES", "PEER_ERRORS", "AgentError", "BadRequest", "CallCancelled", "CoordinatorUnreachable", "CopyCorrupt",
-    "CopyMissing", "DrillDenied", "Forwarded", "NoFastCopy", "NoRoom", "NodeCannot", "PeerCopyError",
-    "PeerRefusedIdentity", "PeerUnreachable", "TierUnavailable", "grpc_code", "peer_error",
+    "CopyMissing", "DrillDenied", "Forwarded", "NoFastCopy", "NoRoom", "NodeCannot", "PeerBusy", "PeerCopyError",
+    "PeerDenied", "PeerRefusedIdentity", "PeerUnreachable", "TierUnavailable", "grpc_code", "peer_error",
 ]

@@ -37,14 +37,15 @@ from ftd.checkpoints.layout import (
     check_step,
     shard_prefix,
 )
+from ftd.rpc import rpc_code, rpc_details
 from ftd.storage_backends.atomic_files import leftover_name
-from ftd.storage_backends.base import InvalidKey
+from ftd.storage_backends.base import InvalidKey, StorageError
 from ftd.storage_backends.memory import MemoryFull, MemoryTier, evictions, superseded
 from ftd.storage_backends.tiers import Tier
 from ftd.v1 import agent_pb2, checkpoint_pb2
 
 from . import bulk_copy
-from .errors import BadRequest, CoordinatorUnreachable, CopyCorrupt, NodeCannot, NoFastCopy, NoRoom
+from .errors import BadRequest, CoordinatorUnreachable, CopyCorrupt, NodeCannot, NoFastCopy, NoRoom, PeerDenied
 from .landing import SLACK, Slot, reclaim
 from .peer_copy import MAX_MANIFEST_BYTES, BulkSource, ChunkSource
 
@@ -85,15 +86,28 @@ class ReplicationMetrics:
                                  registry=r)
 
 
-def _announced(where: str, raw: bytes, ident: tuple[str, int, int], received: Expected) -> bytes:
+# The sender's rule (agent.peer_rules.may_write through the service): called with the header and a
+# world size before anything is taken (the header's: 0 when it names none), then with the manifest's
+# once it arrived, before it is published; raises PeerDenied. The training's own calls: none.
+SourceCheck = Callable[[agent_pb2.WriteShardHeader, int, bool], None]
+
+
+def _announced(where: str, raw: bytes, ident: tuple[str, int, int], received: Expected,
+               header: agent_pb2.WriteShardHeader | None = None, check: SourceCheck | None = None) -> bytes:
     """A replica's manifest (the last thing to arrive, by either path), accepted only when it is of the
-    shard that was announced and lists exactly the files that arrived."""
+    shard that was announced, of the world size announced (when one was), lists exactly the files
+    that arrived, and the sender may write that rank (``check``)."""
     try:
         manifest = ShardManifest.decode(where, raw)
     except ManifestError as exc:
         raise CopyCorrupt(str(exc)) from exc
     if (manifest.job, manifest.step, manifest.rank) != ident:
         raise BadRequest(f"the manifest is of {manifest.job} step {manifest.step} rank {manifest.rank}")
+    if header is not None and header.world_size and manifest.world_size != header.world_size:
+        raise BadRequest(f"the manifest is of a world of {manifest.world_size} ranks, the header said "
+                         f"{header.world_size}")
+    if header is not None and check is not None:
+        check(header, manifest.world_size, True)
     listed = files_of(manifest)
     if listed != received:
         raise CopyCorrupt(f"the files received {dict(received)} are not the manifest's {listed}")
@@ -105,9 +119,10 @@ class _ReplicaSource(ChunkSource):
     whose manifest, last, must be of the header's shard and list exactly the files that arrived."""
 
     def __init__(self, messages: Iterator[agent_pb2.WriteShardChunk], prefix: str, ident: tuple[str, int, int],
-                 declared: int) -> None:
+                 header: agent_pb2.WriteShardHeader, check: SourceCheck | None = None) -> None:
         super().__init__(_chunks(messages), f"the replica of {prefix}", BadRequest, self._count)
-        self.prefix, self.ident, self.declared, self.received = prefix, ident, declared, 0
+        self.prefix, self.ident, self.declared, self.received = prefix, ident, int(header.bytes), 0
+        self.header, self.check = header, check
 
     def _count(self, n: int) -> None:
         self.received += n
@@ -115,7 +130,7 @@ class _ReplicaSource(ChunkSource):
             raise BadRequest(f"the replica sends more than the {self.declared} bytes its header declared")
 
     def manifest(self, received: Expected) -> bytes:
-        return _announced(self.where, super().manifest(received), self.ident, received)
+        return _announced(self.where, super().manifest(received), self.ident, received, self.header, self.check)
 
 
 def _chunks(messages: Iterator[agent_pb2.WriteShardChunk]) -> Iterator[agent_pb2.ShardChunk]:
@@ -127,18 +142,22 @@ def _chunks(messages: Iterator[agent_pb2.WriteShardChunk]) -> Iterator[agent_pb2
 
 def receive_replica(messages: Iterator[agent_pb2.WriteShardChunk], mem: Tier, node_id: str,
                     record: Callable[[checkpoint_pb2.RecordCopyRequest], Any],
-                    metrics: ReplicationMetrics | None = None) -> agent_pb2.WriteShardResponse:
+                    metrics: ReplicationMetrics | None = None,
+                    check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
     """Writes a buddy's memory snapshot into this node's memory tier (through
     :func:`~ftd.checkpoints.copy.copy_shard`) and records the copy; raises an
-    :class:`~.errors.AgentError` (its table gives the status to answer) when it cannot be taken."""
+    :class:`~.errors.AgentError` (its table gives the status to answer) when it cannot be taken.
+    ``check``: the sender's rule, before any room is made and again on the manifest."""
     started = time.monotonic()
     first = next(messages, None)
     if first is None or not first.HasField("header"):
         raise BadRequest("the first WriteShard message must be the header")
+    if check is not None:
+        check(first.header, int(first.header.world_size), False)
     taken = _admit(first.header, mem, metrics)
     if isinstance(taken, agent_pb2.WriteShardResponse):
         return taken
-    source = _ReplicaSource(messages, taken.prefix, taken.ident, int(first.header.bytes))
+    source = _ReplicaSource(messages, taken.prefix, taken.ident, first.header, check)
     _land(source, taken, mem, node_id, record)
     _received(mem, metrics)
     return agent_pb2.WriteShardResponse(bytes=source.received, seconds=time.monotonic() - started,
@@ -147,7 +166,8 @@ def receive_replica(messages: Iterator[agent_pb2.WriteShardChunk], mem: Tier, no
 
 def receive_pulled(request: agent_pb2.PullReplicaRequest, host: str, mem: Tier, node_id: str,
                    record: Callable[[checkpoint_pb2.RecordCopyRequest], Any],
-                   metrics: ReplicationMetrics | None = None, timeout_s: float = 120.0) -> agent_pb2.WriteShardResponse:
+                   metrics: ReplicationMetrics | None = None, timeout_s: float = 120.0,
+                   check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
     """The bulk path of :func:`receive_replica`: the same header checks (budget, per-rank limit),
     then the holder's offered files pulled from ``host`` (:func:`.bulk_copy.receive`: every record's
     tag and every file's CRC32C against the holder's manifest checked as it lands), the manifest
@@ -172,6 +192,8 @@ def receive_pulled(request: agent_pb2.PullReplicaRequest, host: str, mem: Tier, 
     unsummed = [f.name for f in offer.files[:-1] if not f.crc32c]
     if unsummed:
         raise NoFastCopy(f"the holder's manifest gives no CRC32C for {unsummed[:3]}: push with WriteShard")
+    if check is not None:
+        check(h, int(h.world_size), False)
     taken = _admit(h, mem, metrics, {f.name: f.size for f in offer.files[:-1]})
     if isinstance(taken, agent_pb2.WriteShardResponse):
         return taken
@@ -183,7 +205,7 @@ def receive_pulled(request: agent_pb2.PullReplicaRequest, host: str, mem: Tier, 
             return None
         return slots.pop(name)
 
-    source = _PulledReplica(host, offer, taken.ident, timeout_s, land)
+    source = _PulledReplica(host, offer, taken.ident, timeout_s, land, h, check)
     try:
         _land(source, taken, mem, node_id, record)
     except bulk_copy.BulkError as exc:
@@ -285,7 +307,12 @@ def _land(source: Any, taken: _Taken, mem: Tier, node_id: str,
             raise BadRequest(str(exc)) from exc
         raise
     landed = published_manifest(memory_store(mem), taken.prefix)
-    _record(record, job, step, rank, mem, node_id, checksum=landed.checksum if landed is not None else "")
+    try:
+        _record(record, job, step, rank, mem, node_id, checksum=landed.checksum if landed is not None else "")
+    except BaseException:  # a replica the catalog does not list is never restored: its room goes back now
+        with contextlib.suppress(StorageError, OSError):
+            mem.backend.delete_prefix(taken.prefix, marker_name=MANIFEST)
+        raise
 
 
 def _received(mem: Tier, metrics: ReplicationMetrics | None) -> None:
@@ -300,12 +327,13 @@ class _PulledReplica(BulkSource):
     list exactly the files that arrived."""
 
     def __init__(self, host: str, offer: agent_pb2.OpenShardResponse, ident: tuple[str, int, int],
-                 timeout_s: float, landing: Callable[[str, int], Slot | None] | None) -> None:
+                 timeout_s: float, landing: Callable[[str, int], Slot | None] | None,
+                 header: agent_pb2.WriteShardHeader, check: SourceCheck | None) -> None:
         super().__init__(host, offer, None, timeout_s, landing)
-        self.ident = ident
+        self.ident, self.header, self.check = ident, header, check
 
     def manifest(self, received: Expected) -> bytes:
-        return _announced(self.where, super().manifest(received), self.ident, received)
+        return _announced(self.where, super().manifest(received), self.ident, received, self.header, self.check)
 
 
 def caller_host(peer: str) -> str:
@@ -331,6 +359,9 @@ def _record(record: Callable[[checkpoint_pb2.RecordCopyRequest], Any], job: str,
         record(checkpoint_pb2.RecordCopyRequest(job=job, step=step, rank=rank, tier=mem.name, location=node_id,
                                                 present=present, checksum=checksum))
     except (grpc.RpcError, ConnectionError) as exc:
+        if present and rpc_code(exc) is grpc.StatusCode.PERMISSION_DENIED:
+            raise PeerDenied(f"the catalog refused {job} step {step} rank {rank} (deleted here): "
+                             f"{rpc_details(exc)}") from exc
         if present:
             raise CoordinatorUnreachable(
                 f"the replica is held but could not be recorded in the catalog: {exc}") from exc

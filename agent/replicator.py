@@ -49,6 +49,7 @@ from typing import Any
 
 import grpc
 
+from ftd.checkpoints.copy import published_manifest
 from ftd.checkpoints.layout import MANIFEST, shard_prefix
 from ftd.rpc import describe, parse_hostport, rpc_code
 from ftd.storage_backends.base import StorageError
@@ -60,7 +61,14 @@ from . import bulk_copy
 from .errors import AgentError, CallCancelled, CopyMissing, NodeCannot, NoFastCopy, NoRoom, PeerUnreachable, peer_error
 from .peer_copy import CHUNK_BYTES, serve_shard
 from .peers import Buddy
-from .replica_intake import ReplicationMetrics, caller_host, memory_store, receive_pulled, receive_replica
+from .replica_intake import (
+    ReplicationMetrics,
+    SourceCheck,
+    caller_host,
+    memory_store,
+    receive_pulled,
+    receive_replica,
+)
 
 log = logging.getLogger("ftd.agent.replicator")
 # A push's failure (the buddy's answer, by the agents' one table) as ftd_agent_memory_replication_failures_total's
@@ -111,14 +119,18 @@ class Replicator:
         self._channel: tuple[str, grpc.Channel] | None = None
         self.store.create()
 
-    def receive(self, messages: Iterator[agent_pb2.WriteShardChunk]) -> agent_pb2.WriteShardResponse:
-        """The buddy's side of ``WriteShard`` (:func:`receive_replica`) on this node's memory tier."""
+    def receive(self, messages: Iterator[agent_pb2.WriteShardChunk],
+                check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
+        """The buddy's side of ``WriteShard`` (:func:`receive_replica`) on this node's memory tier;
+        ``check``: the sender's rule (agent.peer_rules, through the service)."""
         catalog = self.catalog
         if catalog is None:
             raise NodeCannot(f"node {self.node_id} cannot record replicas")
-        return receive_replica(messages, self.mem, self.node_id, lambda req: catalog("RecordCopy", req), self.metrics)
+        return receive_replica(messages, self.mem, self.node_id, lambda req: catalog("RecordCopy", req), self.metrics,
+                               check)
 
-    def receive_pull(self, request: agent_pb2.PullReplicaRequest, caller: str) -> agent_pb2.WriteShardResponse:
+    def receive_pull(self, request: agent_pb2.PullReplicaRequest, caller: str,
+                     check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
         """The buddy's side of ``PullReplica`` (:func:`receive_pulled`): the holder is dialled at the
         address this node's assignment names for ``request.source``, else at the host the call came
         from (``caller``: gRPC's peer string, ``ipv4:10.0.0.2:53122``)."""
@@ -132,7 +144,7 @@ class Replicator:
         if not host:
             raise NoFastCopy(f"node {self.node_id} does not know where {request.source[:100]!r} is: use WriteShard")
         return receive_pulled(request, host, self.mem, self.node_id, lambda req: catalog("RecordCopy", req),
-                              self.metrics, self.timeout_s)
+                              self.metrics, self.timeout_s, check)
 
     # ---- the queue ---------------------------------------------------------------------------------
 
@@ -222,8 +234,10 @@ class Replicator:
             self.metrics.failures.labels("no_buddy").inc()
             log.warning("memory snapshot %s not replicated: %s", prefix, buddy.reason)
             return
+        manifest = published_manifest(backend, prefix)  # its world size tells the buddy whose rank it is
         header = agent_pb2.WriteShardHeader(job=item.job, step=item.step, rank=item.rank, tier=self.mem.name,
-                                            bytes=total, source=self.node_id)
+                                            bytes=total, source=self.node_id,
+                                            world_size=manifest.world_size if manifest is not None else 0)
         started = self.clock()
         path = "bulk"
         try:

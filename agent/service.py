@@ -20,14 +20,18 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 
+from ftd.authz_interceptors import peer_identity
 from ftd.checkpoints import signing
-from ftd.checkpoints.layout import BadIdentifier, check_job, check_rank, check_step
-from ftd.identity import identity_of
+from ftd.checkpoints.copy import published_manifest
+from ftd.checkpoints.layout import MANIFEST, BadIdentifier, check_job, check_rank, check_step, shard_prefix
+from ftd.identity import LOCAL, Identity, identity_of
 from ftd.rpc import rpc_code, rpc_details
 from ftd.storage_backends.base import StorageError
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
-from . import bulk_copy, errors, peer_copy
+from . import bulk_copy, errors, peer_copy, peer_rules
+from .peer_limits import Ticket
+from .replica_intake import SourceCheck, caller_host
 from .torchrun_supervisor import signal_pids
 
 if TYPE_CHECKING:
@@ -75,6 +79,53 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     def __init__(self, daemon: AgentDaemon) -> None:
         self.daemon = daemon
 
+    # ---- the data plane: who may read and write a shard, and how much per peer ------------------
+
+    def _peer(self, context: grpc.ServicerContext, what: str) -> tuple[Identity | None, Ticket | None]:
+        """The caller and its stream ticket (agent.peer_limits: RESOURCE_EXHAUSTED over its limits);
+        no ticket for the training's own calls on the Unix socket."""
+        identity = peer_identity(context)
+        if identity is not None and identity.kind == LOCAL:
+            return identity, None
+        key = str(identity) if identity is not None else f"host {caller_host(context.peer() or '') or '?'}"
+        return identity, self.daemon.peer_limiter.admit(key, what, context.cancel)
+
+    def _judge(self, method: str, decide: Callable[[peer_rules.View], peer_rules.Verdict]) -> None:
+        """Raises :class:`~.errors.PeerDenied` unless the data-plane rule allows the call in this
+        node's view of the job (agent.peer_rules); a refusal waits up to ``peer_view_grace_s`` for a
+        newer assignment first (a buddy or a rank changed just now). Without mTLS there is no
+        identity to bind: the rules are off (the daemon warns that the port is plaintext)."""
+        daemon = self.daemon
+        if daemon.identity is None:
+            return
+        deadline = time.monotonic() + daemon.settings.peer_view_grace_s
+        while True:
+            seen = daemon.session.assignment
+            verdict = decide(daemon.peer_view())
+            if verdict.allowed:
+                return
+            while daemon.session.assignment is seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if daemon.session.assignment is seen:
+                break
+        daemon.metrics.rpc_denied.labels(method, verdict.rule).inc()
+        daemon.denials.log(logging.WARNING, f"{method}|{verdict.rule}", "denied %s: %s", method, verdict.reason)
+        raise errors.PeerDenied(verdict.reason)
+
+    def _may_read(self, identity: Identity | None, method: str, tier_backend: Any, job: str, step: int,
+                  rank: int, ticket: Ticket | None) -> None:
+        """The read rule for this node's copy (its manifest says which world saved it), then its
+        bytes counted against the caller's bytes in flight."""
+        if ticket is None:
+            return
+        prefix = shard_prefix(job, step, rank)
+        if not tier_backend.is_published(prefix, MANIFEST):
+            raise errors.CopyMissing(f"{tier_backend.name}: no published copy of {prefix}")
+        manifest = published_manifest(tier_backend, prefix)
+        world_size = manifest.world_size if manifest is not None else 0
+        self._judge(method, lambda view: peer_rules.may_read(view, identity, job, step, rank, world_size))
+        ticket.reserve(manifest.total_bytes if manifest is not None else 0)
+
     def GetInfo(self, request: agent_pb2.GetInfoRequest, context: grpc.ServicerContext) -> agent_pb2.AgentInfo:
         return self.daemon.info()
 
@@ -112,10 +163,16 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         if tier is None:
             raise errors.CopyMissing(f"tier {request.tier[:40]!r}: not a tier of this node")
         try:
-            yield from peer_copy.serve_shard(tier.backend, check_job(request.job), check_step(request.step),
-                                             check_rank(request.rank))
+            job, step, rank = check_job(request.job), check_step(request.step), check_rank(request.rank)
         except BadIdentifier as exc:
             raise errors.BadRequest(str(exc)) from exc
+        identity, ticket = self._peer(context, f"ReadShard of {job} step {step} rank {rank}")
+        try:
+            self._may_read(identity, "Agent/ReadShard", tier.backend, job, step, rank, ticket)
+            for chunk in peer_copy.serve_shard(tier.backend, job, step, rank):
+                yield chunk
+                if ticket is not None:
+                    ticket.touch()  # the chunk left: a reader that takes none is cancelled (peer_idle_timeout_s)
         except errors.CopyCorrupt as exc:  # corrupt at rest here: only this node may record its copy
             with contextlib.suppress(grpc.RpcError, ConnectionError):
                 self.daemon.client.call("RecordCopy", checkpoint_pb2.RecordCopyRequest(
@@ -124,6 +181,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             raise
         except (StorageError, OSError) as exc:
             raise errors.TierUnavailable(f"tier {tier.name}: {exc}") from exc
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     @answers
     def OpenShard(self, request: agent_pb2.ReadShardRequest,
@@ -132,22 +192,36 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         tier = next((t for t in self.daemon.tiering.tiers if t.name == request.tier), None)
         if tier is None:
             raise errors.CopyMissing(f"tier {request.tier[:40]!r}: no fast copy from this node")
-        if self.daemon.bulk is None:
+        bulk = self.daemon.bulk
+        if bulk is None:
             raise errors.NoFastCopy(f"tier {request.tier[:40]!r}: no fast copy from this node")
         try:
-            files = bulk_copy.shard_files(tier.backend, check_job(request.job), check_step(request.step),
-                                          check_rank(request.rank))
+            job, step, rank = check_job(request.job), check_step(request.step), check_rank(request.rank)
         except BadIdentifier as exc:
             raise errors.BadRequest(str(exc)) from exc
-        except bulk_copy.NotADirectoryTier as exc:
-            raise errors.NoFastCopy(str(exc)) from exc
-        except bulk_copy.CopyNotHere as exc:
-            raise errors.CopyMissing(str(exc)) from exc
-        # Not hashed here: the receiver checks every byte, and on a mismatch falls back to ReadShard,
-        # which checks this node's copy and records it corrupt (only this node may).
-        port, offer = self.daemon.bulk.offer(files)
+        bulk.purge()  # offers past their time release their peers' tickets first
+        # The ticket is the offer's until its bulk send ends (or it expires): no idle deadline on the
+        # call, the bulk connection has its own (peer_idle_timeout_s per record).
+        identity, ticket = self._peer(context, f"OpenShard of {job} step {step} rank {rank}")
+        if ticket is not None:
+            ticket.cancel = None
+        try:
+            self._may_read(identity, "Agent/OpenShard", tier.backend, job, step, rank, ticket)
+            try:
+                files = bulk_copy.shard_files(tier.backend, job, step, rank)
+            except bulk_copy.NotADirectoryTier as exc:
+                raise errors.NoFastCopy(str(exc)) from exc
+            except bulk_copy.CopyNotHere as exc:
+                raise errors.CopyMissing(str(exc)) from exc
+            # Not hashed here: the receiver checks every byte, and on a mismatch falls back to ReadShard,
+            # which checks this node's copy and records it corrupt (only this node may).
+            port, offer = bulk.offer(files, done=ticket.release if ticket is not None else None)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
         return agent_pb2.OpenShardResponse(
-            port=port, transfer=offer.transfer, key=offer.key, chunk_bytes=self.daemon.bulk.chunk_bytes,
+            port=port, transfer=offer.transfer, key=offer.key, chunk_bytes=bulk.chunk_bytes,
             files=[checkpoint_pb2.ShardFile(name=f.name, size=f.size, crc32c=f.crc32c) for f in files])
 
     @answers
@@ -156,10 +230,38 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         """A buddy's memory snapshot into this node's memory tier (agent.replicator.receive_replica)."""
         if self.daemon.replicator is None:
             raise errors.NodeCannot(f"node {self.daemon.node_id} has no memory tier")
+        identity, ticket = self._peer(context, "WriteShard")
         try:
-            return self.daemon.replicator.receive(request_iterator)
+            return self.daemon.replicator.receive(self._touched(request_iterator, ticket),
+                                                  self._replica_rule("Agent/WriteShard", identity, ticket))
         except (StorageError, OSError) as exc:
             raise errors.TierUnavailable(f"memory tier of node {self.daemon.node_id}: {exc}") from exc
+        finally:
+            if ticket is not None:
+                ticket.release()
+
+    @staticmethod
+    def _touched(messages: Iterator[agent_pb2.WriteShardChunk],
+                 ticket: Ticket | None) -> Iterator[agent_pb2.WriteShardChunk]:
+        """The stream, each message marking it alive (a sender that sends nothing is cancelled)."""
+        for message in messages:
+            if ticket is not None:
+                ticket.touch()
+            yield message
+
+    def _replica_rule(self, method: str, identity: Identity | None, ticket: Ticket | None) -> SourceCheck:
+        """What the intake calls with the header (before any room is made or a byte taken; its bytes
+        then count against the sender's) and again with the manifest's world size once it arrived
+        (``landed``, before it is published): :class:`~.errors.PeerDenied` unless the sender is the
+        coordinator's source of that rank (agent.peer_rules.may_write)."""
+        def check(header: agent_pb2.WriteShardHeader, world_size: int, landed: bool) -> None:
+            if ticket is None:
+                return  # the training's own call on the Unix socket
+            self._judge(method, lambda view: peer_rules.may_write(
+                view, identity, header.job, header.step, header.rank, world_size, header.source))
+            if not landed:
+                ticket.reserve(int(header.bytes))
+        return check
 
     @answers
     def PullReplica(self, request: agent_pb2.PullReplicaRequest,
@@ -168,10 +270,17 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         (agent.replica_intake.receive_pulled); UNIMPLEMENTED: the buddy pushes it with WriteShard."""
         if self.daemon.replicator is None:
             raise errors.NodeCannot(f"node {self.daemon.node_id} has no memory tier")
+        identity, ticket = self._peer(context, "PullReplica")
+        if ticket is not None:
+            ticket.cancel = None  # the pull's own socket has the per-record deadline
         try:
-            return self.daemon.replicator.receive_pull(request, context.peer() or "")
+            return self.daemon.replicator.receive_pull(request, context.peer() or "",
+                                                       self._replica_rule("Agent/PullReplica", identity, ticket))
         except (StorageError, OSError) as exc:
             raise errors.TierUnavailable(f"memory tier of node {self.daemon.node_id}: {exc}") from exc
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     @answers
     def FetchShard(self, request: agent_pb2.FetchShardRequest,

@@ -60,6 +60,16 @@ class AgentSettings:
     peer_copy_port: int = setting(0, "TCP port of the fast peer copy path (shard copies for other nodes' restores, "
                                      "AES-GCM under a one-time key sent over mTLS); 0: any free port, -1: off "
                                      "(gRPC streams only)", "port")
+    peer_max_streams: int = setting(8, "shard streams one peer identity may hold open on this node at once (ReadShard, "
+                                       "WriteShard, OpenShard offers and their bulk sends, PullReplica); more are "
+                                       "RESOURCE_EXHAUSTED", "streams")
+    peer_max_inflight_mb: int = setting(32768, "bytes of shards one peer identity may have in flight to or from this "
+                                               "node at once; more are RESOURCE_EXHAUSTED", "MiB")
+    peer_idle_timeout_s: float = setting(30.0, "a peer's shard stream that moves no chunk for this long is cancelled",
+                                         "s")
+    peer_view_grace_s: float = setting(2.0, "a peer call the data-plane rules refuse waits this long for a newer "
+                                            "assignment (a buddy or a rank that changed just now) before it is denied",
+                                       "s")
     landing_reserve_mb: int = setting(-1, "room prepared in the memory tier for the copies a restore pulls from peers "
                                           "(ftd.agent.landing); -1: auto (on a spare, a node's share of the newest "
                                           "step held in memory), 0: none, N: one slot of N MiB on any node", "MiB")
@@ -153,6 +163,11 @@ class AgentSettings:
         require(self.mem_capacity_bytes >= 0, "mem_capacity_bytes", f"must be >= 0 (got {self.mem_capacity_bytes})")
         require(-1 <= self.peer_copy_port <= 65535, "peer_copy_port",
                 f"must be in [-1, 65535] (got {self.peer_copy_port})")
+        require(self.peer_max_streams >= 1, "peer_max_streams", f"must be >= 1 (got {self.peer_max_streams})")
+        require(self.peer_max_inflight_mb >= 1, "peer_max_inflight_mb",
+                f"must be >= 1 (got {self.peer_max_inflight_mb})")
+        require(self.peer_idle_timeout_s > 0, "peer_idle_timeout_s", f"must be > 0 (got {self.peer_idle_timeout_s})")
+        require(self.peer_view_grace_s >= 0, "peer_view_grace_s", f"must be >= 0 (got {self.peer_view_grace_s})")
         require(self.landing_reserve_mb >= -1, "landing_reserve_mb",
                 f"must be -1 (auto), 0 (none) or a size in MiB (got {self.landing_reserve_mb})")
         require(self.replication_bandwidth_mb_s >= 0, "replication_bandwidth_mb_s",

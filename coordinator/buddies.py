@@ -54,6 +54,7 @@ class PeerSet:
     buddy: Buddy
     listed: tuple[Listed, ...]  # in node id order
     complete: bool
+    mirrors: tuple[str, ...] = ()  # the nodes whose buddy it is (the only sources of its replicas)
 
 
 def choose_buddy(me: str, my_domain: str, peers: Sequence[Peer], domain_label: str = "rack") -> Buddy:
@@ -102,6 +103,15 @@ def choose_buddies(peers: Iterable[Peer], domain_label: str = "rack") -> dict[st
             chosen[me.node_id] = Buddy(found.node_id, f"{found.node_id} is the next node in another {domain_label} "
                                                       f"({found.domain}, not {me.domain})")
     return chosen
+
+
+def mirrored_by(chosen: Mapping[str, Buddy]) -> dict[str, tuple[str, ...]]:
+    """The inverse of :func:`choose_buddies`: buddy -> the nodes whose replicas it keeps (sorted)."""
+    out: dict[str, list[str]] = {}
+    for node_id, buddy in sorted(chosen.items()):
+        if buddy.node_id is not None:
+            out.setdefault(buddy.node_id, []).append(node_id)
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def holders(catalog: Catalog, job: str, rank: int) -> set[str]:

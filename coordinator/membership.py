@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ftd.logs import set_identity
 from ftd.promotion_fitness import eligible_for_promotion
@@ -82,6 +82,7 @@ class Membership:
         self._reachable: dict[str, buddies.Listed] = {}  # nodes neither dead nor fenced, with an agent address
         self._every: tuple[buddies.Listed, ...] = ()  # _reachable in node id order: the complete listing
         self._buddies: dict[str, buddies.Buddy] = {}
+        self._mirrors: dict[str, tuple[str, ...]] = {}  # buddy -> the nodes whose replicas it keeps
         # Set by the controller: each heartbeat's progress goes to the straggler watch, which also
         # names spares not to promote (replaced as stragglers, no passing health check since).
         self.on_progress: Callable[[str, cluster_pb2.Progress], None] = lambda node_id, progress: None
@@ -111,7 +112,7 @@ class Membership:
             if isinstance(decision, errors.CoordinatorError):
                 raise decision
             if decision.record is None:
-                return coordinator_pb2.RegisterResponse(assignment=view.assignment(req.node_id, True),
+                return coordinator_pb2.RegisterResponse(assignment=self.assignment(view, req.node_id, True),
                                                         message=decision.message)
             message = decision.message
             event = ("node_registered", req.node_id, f"{req.node_id} on {req.host}: {message}")
@@ -125,7 +126,8 @@ class Membership:
             log.info("node %s registered from %s (%s)", req.node_id, req.host, message)
             self.changed = self._peers_stale = True
             self.wake()
-            return coordinator_pb2.RegisterResponse(assignment=view.assignment(req.node_id, True), message=message)
+            return coordinator_pb2.RegisterResponse(assignment=self.assignment(view, req.node_id, True),
+                                                    message=message)
 
     # ---- heartbeats (the hot path: memory only) ----------------------------------------------
 
@@ -196,7 +198,7 @@ class Membership:
         stream.last_write = self.clock()
         with_world = stream.sent_epoch != view.world.epoch
         stream.sent_epoch = view.world.epoch
-        response = coordinator_pb2.HeartbeatResponse(assignment=view.assignment(stream.node_id, with_world),
+        response = coordinator_pb2.HeartbeatResponse(assignment=self.assignment(view, stream.node_id, with_world),
                                                      leader_id=self.settings.effective_replica_id)
         peers = self.peers_of(view, stream.node_id)
         if peers != stream.sent_peers:
@@ -207,6 +209,12 @@ class Membership:
             response.draining.extend(sorted(draining))
             response.draining_reason = "; ".join(f"{n}: {view.drains[n].reason}" for n in sorted(draining))
         return response
+
+    def assignment(self, view: ClusterView, node_id: str, with_world: bool) -> cluster_pb2.Assignment:
+        """The node's assignment, with what its agent's data plane needs of this coordinator's settings."""
+        out = view.assignment(node_id, with_world)
+        out.unmanaged_jobs = self.settings.unmanaged_jobs
+        return out
 
     # ---- buddies and peer addresses ----------------------------------------------------------
 
@@ -227,7 +235,8 @@ class Membership:
         held: set[str] = set()
         if len(self._reachable) > buddies.INLINE_PEERS_MAX and rank >= 0 and job is not None:
             held = buddies.holders(view.catalog, job.job, rank)  # only listed above the inline bound
-        return buddies.peers_for(node_id, buddy, self._reachable, view.world.ranks, held, every=self._every)
+        found = buddies.peers_for(node_id, buddy, self._reachable, view.world.ranks, held, every=self._every)
+        return replace(found, mirrors=self._mirrors.get(node_id, ()))
 
     def _refresh_peers(self, view: ClusterView) -> None:
         """Chooses every node's buddy again once the world or the alive set changed, and pushes the
@@ -251,6 +260,7 @@ class Membership:
         self._ring, self._reachable = ring, reachable
         self._every = tuple(reachable.values())
         self._buddies = buddies.choose_buddies(ring, label)
+        self._mirrors = buddies.mirrored_by(self._buddies)
         for stream in self.streams.values():
             if self.peers_of(view, stream.node_id) != stream.sent_peers:
                 stream.queue.put_nowait(PUSH)
@@ -440,5 +450,6 @@ class Membership:
 def _peers_proto(peers: buddies.PeerSet) -> cluster_pb2.Peers:
     return cluster_pb2.Peers(
         buddy=peers.buddy.node_id or "", buddy_reason=peers.buddy.reason, complete=peers.complete,
+        mirrors=peers.mirrors,
         addresses=[cluster_pb2.PeerAddress(node_id=p.node_id, agent_address=p.address, rank=p.rank)
                    for p in peers.listed])

@@ -19,6 +19,8 @@ EXPECTED = {
     errors.BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NodeCannot: grpc.StatusCode.FAILED_PRECONDITION,
     errors.DrillDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.PeerDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.PeerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NoRoom: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NoFastCopy: grpc.StatusCode.UNIMPLEMENTED,
     errors.TierUnavailable: grpc.StatusCode.UNAVAILABLE,
