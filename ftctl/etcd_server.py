@@ -9,10 +9,12 @@ certificates of the cluster PKI (``etcd/<member>.crt``, issued where missing), c
 required (``--client-cert-auth``), only ``ftd-etcd`` certificates admitted as peers, and, once the
 cluster is healthy, etcd's auth on (:func:`enable_auth`, :data:`ROLES`, the same users and roles as
 ``deploy/systemd/etcd-enable-auth.sh``): etcd then takes a client certificate's CN as its user, so the
-coordinators (``ftd-coordinator``) read and write ``/ftd/``, the ``etcd-v3`` rendezvous handlers
-(``ftd-rendezvous``) their own prefixes under ``/torch/elastic/``, the members' own certificates
-(``ftd-etcd``) administer etcd, and any other certificate of the cluster (a node's, an operator's)
-nothing. A plaintext client cannot even connect.
+coordinators (``ftd-coordinator``, root: the leader also keeps etcd's space, and etcd 3.4 lets only root
+defragment) read and write everything, the ``etcd-v3`` rendezvous handlers (``ftd-rendezvous``) their own
+prefixes under ``/torch/elastic/``, and the members' own certificates (``ftd-etcd``) administer etcd. Only
+certificates carrying :data:`ftd.ca.ETCD_CLIENT_HOST` complete the handshake
+(``--client-cert-allowed-hostname``): a node's or an operator's certificate never reaches etcd, whose auth
+checks nothing on leases, alarms or compaction. A plaintext client cannot even connect.
 """
 
 from __future__ import annotations
