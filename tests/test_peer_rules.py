@@ -1,15 +1,26 @@
 """The agent's data-plane rules (agent/peer_rules.py) and per-peer limits (agent/peer_limits.py) as pure
 functions: who may read a shard and who may write a memory replica, in a node's view of the job; how
-many streams and bytes a peer may hold, and which idle streams are cancelled. No process, no sleep."""
+many streams and bytes a peer may hold, and which idle streams are cancelled; a refused replica leaves
+nothing in the memory tier. No process, no sleep."""
 
 from __future__ import annotations
 
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
 import pytest
 
 from ftd.agent import peer_limits, peer_rules
-from ftd.agent.errors import PeerBusy
+from ftd.agent.errors import PeerBusy, PeerDenied
+from ftd.agent.peer_copy import serve_shard
+from ftd.agent.replica_intake import receive_replica
+from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, shard_prefix
 from ftd.identity import Identity
-from ftd.v1 import cluster_pb2
+from ftd.storage_backends.local import LocalBackend
+from ftd.storage_backends.tiers import LocalSpec, TierSpec, open_tier
+from ftd.v1 import agent_pb2, checkpoint_pb2, cluster_pb2
 
 JOB = "train"
 
@@ -152,3 +163,51 @@ def test_the_limiter_counts_streams_and_bytes_per_peer_and_cancels_idle_ones() -
     assert limiter.streams("node/node-1") == 1 and limiter.streams("node/node-2") == 1
     other.release()
     limiter.close()
+
+
+class Refused(grpc.RpcError):
+    """The catalog's answer to a RecordCopy it refuses."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.PERMISSION_DENIED
+
+    def details(self) -> str:
+        return "node b may not record the copy (rule copy_owner)"
+
+
+def test_a_replica_refused_by_the_rule_or_the_catalog_leaves_nothing(tmp_path: Path) -> None:
+    """The intake's two refusals on a real memory tier: the sender's rule on the manifest (the header
+    named no world size), and the catalog refusing to record the copy: nothing stays published."""
+    source = LocalBackend(tmp_path / "src")
+    staging = source.stage(shard_prefix(JOB, 3, 1))
+    got = staging.put_stream("state.pt", io.BytesIO(b"weights"))
+    staging.publish(MANIFEST, ShardManifest(JOB, 3, 1, 1, 2, "torch", (FileEntry("state.pt", 7, got.crc32c or ""),))
+                    .encode())
+    mem = open_tier(TierSpec("mem", "b", LocalSpec(tmp_path / "mem", 0)))
+    size = sum(i.size for i in source.list(shard_prefix(JOB, 3, 1) + "/"))
+    header = agent_pb2.WriteShardHeader(job=JOB, step=3, rank=1, tier="mem", bytes=size, source="a")
+
+    def messages() -> Iterator[agent_pb2.WriteShardChunk]:
+        yield agent_pb2.WriteShardChunk(header=header)
+        for chunk in serve_shard(source, JOB, 3, 1):
+            yield agent_pb2.WriteShardChunk(chunk=chunk)
+
+    seen: list[tuple[int, bool]] = []
+
+    def rule(h: agent_pb2.WriteShardHeader, world_size: int, landed: bool) -> None:
+        seen.append((world_size, landed))
+        if landed:
+            raise PeerDenied("rank 1 is held by c (rule replica_source)")
+
+    with pytest.raises(PeerDenied, match="replica_source"):
+        receive_replica(messages(), mem, "b", lambda req: None, check=rule)
+    assert seen == [(0, False), (2, True)]
+    assert not mem.backend.is_published(shard_prefix(JOB, 3, 1), MANIFEST)
+
+    def refuse(req: checkpoint_pb2.RecordCopyRequest) -> None:
+        raise Refused()
+
+    with pytest.raises(PeerDenied, match="the catalog refused"):
+        receive_replica(messages(), mem, "b", refuse)
+    assert not mem.backend.is_published(shard_prefix(JOB, 3, 1), MANIFEST)
+    assert not [p for p in (tmp_path / "mem").rglob("*") if p.is_file()]
