@@ -57,7 +57,7 @@ def test_units_pass_systemd_analyze_verify(unit: str, tmp_path: Path) -> None:
     out = subprocess.run([analyze, "verify", str(local)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     for needed in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "NoNewPrivileges=yes", "ProtectSystem=strict",
-                   "PrivateTmp=yes", "User=ftd"):
+                   "PrivateTmp=yes", "User=ftd", "LimitNOFILE=65536", "UMask=0077"):
         assert needed in text, f"{unit} lacks {needed}"
 
 
