@@ -153,8 +153,9 @@ def may_read(view: View, caller: Identity | None, job: str, step: int, rank: int
 def may_write(view: View, caller: Identity | None, job: str, step: int, rank: int, world_size: int,
               source: str = "") -> Verdict:
     """Whether ``caller`` may write its memory replica of (job, step, rank), saved by a
-    ``world_size``-rank world (0: not said yet: the manifest is checked when it arrives), into this
-    node's memory tier; ``source``: the sending node the request names ("" none)."""
+    ``world_size``-rank world (the header's, then the manifest's when it arrives; 0: unknown, refused
+    for the current job), into this node's memory tier; ``source``: the sending node the request
+    names ("" none)."""
     what = f"write the replica of {job} step {step} rank {rank}"
     if caller is not None and caller.kind == OPERATOR:
         return _deny(SOURCE, f"{caller} may not {what} into node {view.me}: replicas come from nodes")
@@ -172,8 +173,8 @@ def may_write(view: View, caller: Identity | None, job: str, step: int, rank: in
             return _ok("unmanaged_job")
         return _deny(CURRENT_JOB, f"node {who} may not {what} into node {view.me}: the cluster's current job is "
                                   f"{view.job or 'none'}")
-    if world_size <= 0:
-        return _ok("buddy")  # the manifest, last, says the world size: checked again then
+    if world_size <= 0:  # an older sender: whose rank it is cannot be told before room is made
+        return _deny(SOURCE, f"node {who} may not {what} into node {view.me}: its header names no world size")
     owner = holder(view.world, world_size, rank)
     if owner != who:
         held = f"rank {rank} is held by {owner}" if owner else f"rank {rank} has no holder in the current world"

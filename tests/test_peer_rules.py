@@ -99,7 +99,8 @@ def test_strangers_other_kinds_and_other_jobs_are_refused_naming_the_rule() -> N
 
 def test_a_replica_comes_only_from_the_node_whose_buddy_this_is_of_a_rank_it_holds() -> None:
     assert write(node("node-1"), 1).allowed
-    assert write(node("node-1"), 1, world_size=0).allowed  # the header names no size: checked on the manifest
+    unsized = write(node("node-1"), 1, world_size=0)  # an older sender: the rank's holder cannot be told
+    assert not unsized.allowed and "names no world size" in unsized.reason
     own = write(node("node-1"), 0)  # node-0's own rank: would evict node-0's own snapshots
     assert not own.allowed and own.rule == "replica_source" and "rank 0 is held by node-0" in own.reason
     spare = write(node("node-2"), 1)
