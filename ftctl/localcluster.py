@@ -379,6 +379,7 @@ def start_s3(cluster: ClusterFile, bucket: str, deadline: float) -> None:
     s3_server.create_bucket(cluster.s3_endpoint, bucket)
 
 
+@_private_files
 def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str, str] | None = None,
                 extra_args: list[str] | None = None) -> tuple[subprocess.Popen[bytes], Path, Path]:
     """Starts (or restarts) one agent of ``cluster`` and records it; returns (process, ready file, log).
