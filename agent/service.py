@@ -99,14 +99,19 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         if daemon.identity is None:
             return
         deadline = time.monotonic() + daemon.settings.peer_view_grace_s
+
+        def assignment() -> object:  # a new object on every answer from the coordinator
+            session = getattr(daemon, "session", None)
+            return session.assignment if session is not None else None
+
         while True:
-            seen = daemon.session.assignment
+            seen = assignment()
             verdict = decide(daemon.peer_view())
             if verdict.allowed:
                 return
-            while daemon.session.assignment is seen and time.monotonic() < deadline:
+            while assignment() is seen and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if daemon.session.assignment is seen:
+            if assignment() is seen:
                 break
         daemon.metrics.rpc_denied.labels(method, verdict.rule).inc()
         daemon.denials.log(logging.WARNING, f"{method}|{verdict.rule}", "denied %s: %s", method, verdict.reason)
