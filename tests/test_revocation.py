@@ -7,7 +7,8 @@ the cluster's own CA in the attacker's hands.
 * a newly certified node asking for ACTIVE registers as a spare, and the world's target stays;
 * ``ftctl certs revoke`` refuses an identity on the coordinator and, within the deny list's TTL, on an
   agent (PERMISSION_DENIED naming "revoked"); ``ftctl certs rotate`` revokes the old pair;
-* a drained node cannot register again until ``ftctl admit``.
+* a drained node cannot register again until ``ftctl admit``;
+* last, node-1's own identity revoked while its agent runs: refused everywhere, it leaves the world.
 
 One cluster for the module. The rules themselves: tests/test_deny_list.py."""
 
@@ -165,6 +166,13 @@ def test_a_revoked_identity_is_refused_by_the_coordinator_and_an_agent(cluster: 
     err = refused(status, client(cluster, node9))
     assert code(err) is grpc.StatusCode.PERMISSION_DENIED and "revoked" in details(err), details(err)
     assert "stolen" in details(err)
+    # a flood of refused calls: one log line per identity, method and rule per 10 s, not one per call
+    flood = client(cluster, node9)
+    for _ in range(300):
+        refused(status, flood)
+    log = (Path(cluster.workdir) / "logs" / "coordinator-0.log").read_text()
+    lines = [line for line in log.splitlines() if "denied" in line and "node/node-9 is revoked" in line]
+    assert 1 <= len(lines) <= 2, lines
     err = wait_for(lambda: _agent_refusal(cluster, node9), 15.0, "node-0's agent refusing the revoked node-9")
     assert code(err) is grpc.StatusCode.PERMISSION_DENIED and "revoked" in details(err), details(err)
     assert agent_info(cluster, "node-0", identity(cluster, "node", "node-1")).node_id == "node-0"  # others pass
@@ -202,3 +210,17 @@ def test_a_drained_node_cannot_register_again_until_admitted(cluster: ClusterFil
     assert ftctl(["--workdir", cluster.workdir, "admit", "node-2", "--spare"]) == 0
     back = node2.register(again)
     assert "rejoins as a spare" in back.message and back.assignment.role == cluster_pb2.ROLE_SPARE, back.message
+
+
+def test_revoking_a_running_node_refuses_it_everywhere_and_its_rank_goes(cluster: ClusterFile) -> None:
+    """Last: node-1's own identity revoked while its agent runs (a stolen key, step 1 of the procedure)."""
+    operator = cluster.client()
+    node1 = identity(cluster, "node", "node-1")
+    assert "node-1" in status(operator).world
+    assert ftctl(["--workdir", cluster.workdir, "certs", "revoke", "node/node-1", "--reason", "key stolen"]) == 0
+    err = refused(status, client(cluster, node1))
+    assert code(err) is grpc.StatusCode.PERMISSION_DENIED and "node/node-1 is revoked" in details(err), details(err)
+    err = wait_for(lambda: _agent_refusal(cluster, node1), 15.0, "node-0's agent refusing node-1")
+    assert code(err) is grpc.StatusCode.PERMISSION_DENIED and "revoked" in details(err), details(err)
+    # its own heartbeats are refused too: it is declared dead and leaves the world, like a crashed node
+    wait_for(lambda: "node-1" not in status(operator).world, 30.0, "node-1 out of the world")
