@@ -12,6 +12,7 @@ The signature rules themselves, pure: tests/test_signing.py."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,17 +67,26 @@ def catalog(cluster: ClusterFile, job: str) -> dict[int, checkpoint_pb2.Checkpoi
 
 
 def copies_of_step_2(cluster: ClusterFile, job: str) -> list[Path]:
-    """Every published folder of step 2 on node-0's disks (its SSD, the shared HDD), once the tiering
-    is done with it (the copies the catalog lists exist on disk)."""
+    """Every published folder of step 2 on node-0's disks, once the tiering is done with it: its SSD
+    and the shared HDD copies recorded (a forgery written while the tiering reads the file would be
+    caught by the copy's CRC32C, and the SSD copy recorded corrupt before the restore looked)."""
     node0 = next(a for a in cluster.agents if a.name == "node-0")
     roots = {"ssd": Path(node0.info["workdir"]) / "ssd", "hdd": Path(cluster.workdir) / "shared" / "hdd"}
 
     def settled() -> list[Path] | None:
         shard = catalog(cluster, job)[2].shards[0]
         folders = [roots[c.tier] / shard_prefix(job, 2, 0) for c in shard.copies if c.tier in roots]
-        return folders if folders and all((f / MANIFEST).exists() for f in folders) else None
+        done = {c.tier for c in shard.copies} >= {"ssd", "hdd"}
+        return folders if done and all((f / MANIFEST).exists() for f in folders) else None
 
     return wait_for(settled, timeout_s=30.0, what=f"step 2 of {job} on node-0's disks")
+
+
+def replace(path: Path, data: bytes) -> None:
+    """The attacker's file in place at once (a reader sees the old bytes or the new, never half)."""
+    tmp = path.with_name(f".{path.name}.forged")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def forge_crc32c(data: bytes, at: int, target: int) -> bytes:
@@ -155,14 +165,14 @@ def check_signature(cluster: ClusterFile, job: str, folder: Path, expected: dict
 
 
 def assert_refused(cluster: ClusterFile, job: str, why: str) -> None:
-    """The restore loads the genuine previous copy or step, and the forged copies are recorded corrupt."""
+    """The restore loads the previous step, genuine, and the forged copies are recorded corrupt (none is
+    offered again)."""
     step, weights, source = restored(cluster, job)
-    assert weights[0].item() != 666.0 and torch.equal(weights, GOOD[step]), (step, source)
+    assert step == 1 and torch.equal(weights, GOOD[1]), (step, source)  # every copy of step 2 was forged
     shard = catalog(cluster, job)[2].shards[0]
     bad = dict(shard.bad)
-    assert "ssd@node-0" in bad and all(why in v for v in bad.values()), bad
-    if step == 1:  # the previous step: because every copy of step 2 was proven forged (none is offered again)
-        assert set(bad) == {f"{c.tier}@{c.location}" for c in shard.copies}
+    assert set(bad) == {f"{c.tier}@{c.location}" for c in shard.copies} >= {"ssd@node-0", "hdd@shared"}, bad
+    assert all(why in v for v in bad.values()), bad
 
 
 def test_bytes_forged_to_keep_their_crc32c_are_refused_by_the_signature(cluster: ClusterFile) -> None:
@@ -170,7 +180,7 @@ def test_bytes_forged_to_keep_their_crc32c_are_refused_by_the_signature(cluster:
     saved_steps(cluster, job)
     forged = copies_of_step_2(cluster, job)
     for folder in forged:
-        (folder / "state.pt").write_bytes(evil_bytes((folder / "state.pt").read_bytes()))
+        replace(folder / "state.pt", evil_bytes((folder / "state.pt").read_bytes()))
     step, weights, _ = restored(cluster, job, signed=False)
     assert step == 2 and weights[0].item() == 666.0, "without signatures the CRC32C check loads the forgery"
     assert_refused(cluster, job, "signature check failed")
@@ -181,15 +191,15 @@ def test_a_shard_resigned_by_another_node_is_refused(cluster: ClusterFile) -> No
     saved_steps(cluster, job)
     node1 = node_pki(cluster, "node-1")
     for folder in copies_of_step_2(cluster, job):  # node-1 rewrites bytes, signature and manifest, consistent
-        (folder / "state.pt").write_bytes(evil_bytes((folder / "state.pt").read_bytes()))
+        replace(folder / "state.pt", evil_bytes((folder / "state.pt").read_bytes()))
         statement = statement_for(folder, job=job, step=2, epoch=0, rank=0, world_size=1, fmt="torch",
                                   now=time.time()).encode()
-        (folder / SIGNATURE).write_bytes(SignedShard(statement, sign_statement(statement, node1.key_pem),
-                                                     node1.cert_pem).encode())
+        replace(folder / SIGNATURE, SignedShard(statement, sign_statement(statement, node1.key_pem),
+                                                node1.cert_pem).encode())
         old = ShardManifest.decode(str(folder), (folder / MANIFEST).read_bytes())
         files = tuple(FileEntry(f.name, (folder / f.name).stat().st_size,
                                 f"{crc32c.crc32c((folder / f.name).read_bytes()):08x}") for f in old.files)
-        (folder / MANIFEST).write_bytes(ShardManifest(job, 2, old.epoch, 0, 1, "torch", files).encode())
+        replace(folder / MANIFEST, ShardManifest(job, 2, old.epoch, 0, 1, "torch", files).encode())
         with pytest.raises(BadSignature, match="signed by node node-1, and the catalog says node node-0"):
             check_signature(cluster, job, folder, {f.name: (f.size, f.crc32c) for f in files})
     # The forged SHARD.sig differs from the one the catalog lists: refused by its CRC32C before its
