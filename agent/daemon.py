@@ -206,7 +206,13 @@ class AgentDaemon:
             self.landing.set_target(target)
 
     def peer_channel(self, address: str) -> grpc.Channel:
-        """A channel to another node's agent, with this node's certificate under mTLS."""
+        """A channel to another node's agent, with this node's certificate under mTLS, accepting only the
+        certificate of the node the coordinator lists at ``address`` (its ftd.identity.server_name)."""
+        session = getattr(self, "session", None)
+        listed = {p.node_id for p in session.assignment.peers.addresses if p.agent_address == address} \
+            if session is not None else set()
+        if len(listed) == 1:
+            return rpc.agent_channel(address, listed.pop(), self.identity)
         return rpc.channel(address, tls=self.identity)
 
     def _denied(self, method: str, rule: str) -> None:
