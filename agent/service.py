@@ -31,7 +31,7 @@ from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 from . import bulk_copy, errors, peer_copy, peer_rules
 from .peer_limits import Ticket
-from .replica_intake import SourceCheck, caller_host
+from .replica_intake import SourceCheck
 from .torchrun_supervisor import signal_pids
 
 if TYPE_CHECKING:
@@ -87,7 +87,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         identity = peer_identity(context)
         if identity is not None and identity.kind == LOCAL:
             return identity, None
-        key = str(identity) if identity is not None else f"host {caller_host(context.peer() or '') or '?'}"
+        # Without mTLS there is no identity (nor any authorization): each connection counts alone.
+        key = str(identity) if identity is not None else f"peer {context.peer() or '?'}"
         return identity, self.daemon.peer_limiter.admit(key, what, context.cancel)
 
     def _judge(self, method: str, decide: Callable[[peer_rules.View], peer_rules.Verdict]) -> None:
