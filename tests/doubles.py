@@ -56,3 +56,14 @@ def record_copy(records: dict[int, Any],
         records[request.step] = rules.drop_copy(rec, request.rank, request.tier, request.location,
                                                 request.corrupt_reason)
     return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(records[request.step]))
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the peer closed ``sock`` within ``seconds`` (EOF or reset): a server's idle deadline at work."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
+from doubles import closed_within
 from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from ftd import metrics_http
@@ -107,16 +108,6 @@ def test_node_1s_rendezvous_certificate_keeps_to_the_rendezvous_and_leaves_the_l
         assert code_of(lambda: maintenance.Defragment(rpc_pb2.DefragmentRequest(), timeout=10)) \
             is grpc.StatusCode.UNKNOWN  # "auth: permission denied": defragmenting is root's
     assert leader_lease(cluster) == lease
-
-
-def closed_within(sock: socket.socket, seconds: float) -> bool:
-    sock.settimeout(seconds)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_connections_that_never_start_tls_are_dropped_within_seconds(cluster: ClusterFile) -> None:

@@ -7,19 +7,10 @@ import socket
 import time
 import urllib.request
 
+from doubles import closed_within
 from prometheus_client import CollectorRegistry
 
 from ftd import metrics_http
-
-
-def closed_within(sock: socket.socket, seconds: float) -> bool:
-    sock.settimeout(seconds)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_idle_connections_time_out_and_one_past_the_cap_is_closed_unserved() -> None:
