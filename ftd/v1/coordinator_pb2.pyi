@@ -9,6 +9,7 @@ clients follow it.
 """
 
 from collections import abc as _abc
+from ftd.v1 import checkpoint_pb2 as _checkpoint_pb2
 from ftd.v1 import cluster_pb2 as _cluster_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -773,16 +774,31 @@ class HeartbeatRequest(_message.Message):
     HEALTH_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    BEACONING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.str
     known_epoch: _builtins.int
     """the epoch the agent currently acts on"""
     seq: _builtins.int
     """increases by one per heartbeat of this incarnation"""
+    beaconing: _builtins.bool
+    """The agent sends liveness beacons (UDP datagrams, ftd/beacons.py) to the BeaconTarget it was given;
+    its stream messages then carry changes and answer probes only (docs/architecture.md#heartbeats).
+    """
     @_builtins.property
     def health(self) -> _cluster_pb2.Health: ...
     @_builtins.property
     def progress(self) -> _cluster_pb2.Progress: ...
+    @_builtins.property
+    def memory(self) -> Global___MemoryReport:
+        """The node's memory tier as it is now: every memory snapshot it holds, its own ranks' and the
+        replicas it keeps for the node it mirrors. Sent whole on a stream's first message and whenever it
+        changes (one message per node per step, not one RPC per rank); absent: unchanged since the last
+        report on this stream. The leader keeps it in memory only (coordinator/memory_ledger.py): memory
+        snapshots are soft state, re-announced to a new leader, never written to etcd.
+        """
+
     def __init__(
         self,
         *,
@@ -792,14 +808,125 @@ class HeartbeatRequest(_message.Message):
         health: _cluster_pb2.Health | None = ...,
         progress: _cluster_pb2.Progress | None = ...,
         seq: _builtins.int = ...,
+        memory: Global___MemoryReport | None = ...,
+        beaconing: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["health", b"health", "progress", b"progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["health", b"health", "memory", b"memory", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["health", b"health", "incarnation", b"incarnation", "known_epoch", b"known_epoch", "node_id", b"node_id", "progress", b"progress", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beaconing", b"beaconing", "health", b"health", "incarnation", b"incarnation", "known_epoch", b"known_epoch", "memory", b"memory", "node_id", b"node_id", "progress", b"progress", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class MemorySnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    RESTORED_STEP_FIELD_NUMBER: _builtins.int
+    JOB_ROUND_FIELD_NUMBER: _builtins.int
+    CADENCE_FIELD_NUMBER: _builtins.int
+    replica: _builtins.bool
+    """kept for the node this one mirrors (manifest.rank is that node's rank)"""
+    owner: _builtins.str
+    """replica: the node whose rank it is; "" for this node's own ranks"""
+    restored_step: _builtins.int
+    """as CommitShardRequest.restored_step of the saving world"""
+    job_round: _builtins.int
+    """as CommitShardRequest.job_round"""
+    cadence: _builtins.str
+    """as CommitShardRequest.cadence"""
+    @_builtins.property
+    def manifest(self) -> _checkpoint_pb2.ShardManifest:
+        """what the snapshot holds (its SHARD.json)"""
+
+    def __init__(
+        self,
+        *,
+        manifest: _checkpoint_pb2.ShardManifest | None = ...,
+        replica: _builtins.bool = ...,
+        owner: _builtins.str = ...,
+        restored_step: _builtins.int | None = ...,
+        job_round: _builtins.int | None = ...,
+        cadence: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_job_round", b"_job_round", "_restored_step", b"_restored_step", "job_round", b"job_round", "manifest", b"manifest", "restored_step", b"restored_step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_job_round", b"_job_round", "_restored_step", b"_restored_step", "cadence", b"cadence", "job_round", b"job_round", "manifest", b"manifest", "owner", b"owner", "replica", b"replica", "restored_step", b"restored_step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__job_round: _TypeAlias = _typing.Literal["job_round"]  # noqa: Y015
+    _WhichOneofArgType__job_round: _TypeAlias = _typing.Literal["_job_round", b"_job_round"]  # noqa: Y015
+    _WhichOneofReturnType__restored_step: _TypeAlias = _typing.Literal["restored_step"]  # noqa: Y015
+    _WhichOneofArgType__restored_step: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__job_round) -> _WhichOneofReturnType__job_round | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restored_step) -> _WhichOneofReturnType__restored_step | None: ...
+
+Global___MemorySnapshot: _TypeAlias = MemorySnapshot  # noqa: Y015
+
+@_typing.final
+class MemoryReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """increases with every change on this agent (a stale report is ignored)"""
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemorySnapshot]: ...
+    def __init__(
+        self,
+        *,
+        snapshots: _abc.Iterable[Global___MemorySnapshot] | None = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshots", b"snapshots", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryReport: _TypeAlias = MemoryReport  # noqa: Y015
+
+@_typing.final
+class BeaconTarget(_message.Message):
+    """Where a stream's agent sends its liveness beacons, and the key that authenticates them. Given on a
+    stream's first answer (a key per stream: a beacon proves the same identity the stream's certificate did).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    INTERVAL_S_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    """UDP, on the host the agent reaches the leader at"""
+    key: _builtins.bytes
+    """HMAC-SHA256 key (32 bytes)"""
+    key_id: _builtins.int
+    """names the key in each beacon (the leader's stream number)"""
+    interval_s: _builtins.float
+    """the agent's beacon period"""
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        key: _builtins.bytes = ...,
+        key_id: _builtins.int = ...,
+        interval_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s", "key", b"key", "key_id", b"key_id", "port", b"port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeaconTarget: _TypeAlias = BeaconTarget  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):
@@ -809,8 +936,17 @@ class HeartbeatResponse(_message.Message):
     LEADER_ID_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     DRAINING_REASON_FIELD_NUMBER: _builtins.int
+    BEACON_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
+    BEACON_SEQ_SEEN_FIELD_NUMBER: _builtins.int
     leader_id: _builtins.str
     draining_reason: _builtins.str
+    probe: _builtins.bool
+    """The leader has had no beacon from this node for a while (lost datagrams, a blocked UDP path, or a
+    hung node): answer on the stream now, and heartbeat on it until beacons are confirmed again.
+    """
+    beacon_seq_seen: _builtins.int
+    """the newest beacon seq the leader accepted from this stream's agent"""
     @_builtins.property
     def assignment(self) -> _cluster_pb2.Assignment: ...
     @_builtins.property
@@ -819,6 +955,10 @@ class HeartbeatResponse(_message.Message):
         waits for the new world (empty when none).
         """
 
+    @_builtins.property
+    def beacon(self) -> Global___BeaconTarget:
+        """absent: unchanged (or this leader takes no beacons)"""
+
     def __init__(
         self,
         *,
@@ -826,10 +966,13 @@ class HeartbeatResponse(_message.Message):
         leader_id: _builtins.str = ...,
         draining: _abc.Iterable[_builtins.str] | None = ...,
         draining_reason: _builtins.str = ...,
+        beacon: Global___BeaconTarget | None = ...,
+        probe: _builtins.bool = ...,
+        beacon_seq_seen: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "beacon", b"beacon"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "draining", b"draining", "draining_reason", b"draining_reason", "leader_id", b"leader_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "beacon", b"beacon", "beacon_seq_seen", b"beacon_seq_seen", "draining", b"draining", "draining_reason", b"draining_reason", "leader_id", b"leader_id", "probe", b"probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
