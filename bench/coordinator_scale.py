@@ -1,32 +1,46 @@
-"""How many agents one coordinator holds: lightweight simulated agents over real gRPC, a real etcd and
-a real coordinator process.
+"""How many agents one coordinator holds: lightweight simulated agents over real gRPC (and UDP), a real
+etcd and real coordinator processes.
 
     python bench/coordinator_scale.py --agents 1000 --duration 30 [--agents 2000,5000 ...] [--json]
     python bench/coordinator_scale.py --agents 1000 --duration 10 --compare-tls   # plaintext, then mTLS
+    python bench/coordinator_scale.py --agents 2000 --ranks-per-node 8 --memory-every-step --step-s 4 --tls
+    python bench/coordinator_scale.py --agents 2000 --replicas 3 --kill-leader --memory-every-step --tls
 
-Simulated agents run as asyncio tasks in ``--procs`` worker processes: each registers (1 % as
-spares), opens a heartbeat stream and sends at ``--hz``. During the measured window ``--kills``
-agents "die": half close their stream (what a SIGKILL looks like to the coordinator), half go
-silent with the stream open (a hung node). Detection latency = the coordinator's ``node_dead`` event
+Simulated agents (bench/_scale_agents.py) run as asyncio tasks in ``--procs`` worker processes: each
+registers (1 % as spares), opens a heartbeat stream and keeps it alive at ``--hz``. During the measured
+window ``--kills`` agents "die": half close their stream (what a SIGKILL looks like to the coordinator),
+half go silent with the stream open (a hung node). Detection latency = the leader's ``node_dead`` event
 time minus the death time (same host clock). Any other node declared dead is a false positive.
 
-Prints, per N: {"agents", "heartbeat_hz", "p99_detection_s", "false_positives", "etcd_writes_per_s",
-"coordinator_cpu_pct", "tick_p99_ms", ...}.
+``--memory-every-step --step-s S --ranks-per-node K``: every node also snapshots its K ranks every S s
+and keeps its buddy's replicas, and the run is made twice in the same invocation, one per ``--paths``:
+``rpc`` (before issue 19: stream heartbeats at ``--hz``, and per rank and step a CommitShard(mem) and
+the buddy's RecordCopy(mem) RPC) and ``beacons`` (issue 19: UDP liveness beacons at ``--hz``, one stream
+message per node and step with its whole memory report). Both ask the same coordinator code; ``leader
+CPU per agent-second`` is compared (``ratio_beacons_to_rpc``).
 
-``--tls``: the coordinator serves mutual TLS with the authorization table enforced (every heartbeat
-message is checked), and every simulated agent has its own ``node/<id>`` certificate of a fresh PKI and
-its own channel, as real agents do. ``--compare-tls`` runs each N plaintext and then with ``--tls`` in
-the same invocation, both with one channel per agent, and adds the relative cost
-(``tls_cpu_us_per_heartbeat_ratio``). The etcd is plaintext in both: heartbeats never touch it.
+``--replicas R`` runs R coordinator replicas (one leader, R-1 hot standbys); each one's CPU is printed.
+``--kill-leader`` then SIGKILLs the leader after the window and measures until a standby answers a
+complete restore target (memory copies included, a step no older than before the kill), from the kill
+and from the new leader's takeover, and counts answers older than before (``went_backwards``).
+
+Prints, per N and path: heartbeats/s, leader CPU and CPU per agent-second, each replica's CPU, etcd
+writes/s (revisions) and DB growth, p99 detection, false positives, restore-target latency.
+
+``--tls``: the coordinators serve mutual TLS with the authorization table enforced, and every simulated
+agent has its own ``node/<id>`` certificate of a fresh PKI and its own channel, as real agents do.
+``--compare-tls`` runs each N plaintext and then with ``--tls``. The etcd is plaintext: the bench reads
+its revision and DB size from its /metrics.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -34,178 +48,247 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc import aio
+from _scale_agents import JOB, Plan, worker
 
 from ftd import rpc
 from ftd.ca import bootstrap, issue
 from ftd.ftctl.etcd_server import EtcdCluster
 from ftd.ftctl.localcluster import _spawn, _wait_file
 from ftd.identity import DEFAULT_OPERATOR, IdentityFiles, paths
-from ftd.v1 import cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ftd.v1 import checkpoint_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 from _common import cpu_seconds, delta, emit, percentile, scrape
 
 CLUSTER = "bench"
-_OPTIONS = [("grpc.max_concurrent_streams", 100_000)]
+BEACONS_ACCEPTED = "ftd_coordinator_beacons_accepted_total"
 
 
-async def _agents(endpoint: str, ids: list[str], spares: set[str], hz: float, start_at: float, kill_at: float,
-                  victims: dict[str, str], stop_at: float, out: Any, pki_dir: str | None = None,
-                  per_agent: bool = False) -> None:
-    shared = aio.insecure_channel(endpoint, options=_OPTIONS)
-    channels: list[aio.Channel] = [shared]
-    died: dict[str, float] = {}
-    errors = 0
-    kinds: dict[str, int] = {}
+class _Replica:
+    def __init__(self, rid: str, proc: Any, info: dict[str, Any]) -> None:
+        self.rid, self.proc, self.info = rid, proc, info
+        self.address: str = info["address"]
+        self.metrics: str = info["metrics"]
 
-    def count(phase: str, exc: BaseException) -> None:
-        nonlocal errors
-        errors += 1
-        code = rpc.rpc_code(exc)
-        key = f"{phase}:{code.name if code else type(exc).__name__}"
-        if key not in kinds:  # the first of each kind, with its details
-            print(f"simulated agent {phase} failed: {rpc.describe(exc)}", file=sys.stderr)
-        kinds[key] = kinds.get(key, 0) + 1
 
-    def stub_for(node_id: str) -> coordinator_pb2_grpc.CoordinatorStub:
-        if not per_agent and pki_dir is None:
-            return coordinator_pb2_grpc.CoordinatorStub(shared)
-        tls = IdentityFiles(Path(pki_dir), "node", node_id) if pki_dir is not None else None
-        channels.append(rpc.aio_channel(endpoint, _OPTIONS, tls=tls))
-        return coordinator_pb2_grpc.CoordinatorStub(channels[-1])
+def _start_replicas(r: int, etcd: EtcdCluster, work: Path, tag: str, tls_args: list[str],
+                    config: Path) -> list[_Replica]:
+    replicas = []
+    for i in range(r):
+        rid = f"c{i}"
+        ready, log = work / f"coord-{tag}-{rid}.json", work / f"coord-{tag}-{rid}.log"
+        proc = _spawn([sys.executable, "-m", "ftd.coordinator.main", "--etcd-endpoints", etcd.endpoints,
+                       "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready),
+                       "--log-level", "WARNING", "--failover-grace-s", "2", "--replica-id", rid,
+                       "--config", str(config), *tls_args], log)
+        replicas.append(_Replica(rid, proc, _wait_file(ready, proc, time.monotonic() + 30, log)))
+        if i == 0:  # the first replica leads: wait for it before the standbys start
+            _wait(lambda: scrape(replicas[0].metrics).get("ftd_coordinator_is_leader") == 1.0, 30, "a leader")
+    return replicas
 
-    async def one(node_id: str) -> None:
-        stub = stub_for(node_id)
-        inc = f"sim-{node_id}"
-        role = cluster_pb2.ROLE_SPARE if node_id in spares else cluster_pb2.ROLE_ACTIVE
-        for _ in range(20):
-            try:
-                await stub.Register(coordinator_pb2.RegisterRequest(
-                    node_id=node_id, host="127.0.0.1", role=role, agent_address="127.0.0.1:1", pid=1,
-                    incarnation=inc), timeout=30)
-                break
-            except grpc.RpcError as exc:
-                count("register", exc)
-                await asyncio.sleep(0.5)
-        await asyncio.sleep(random.random() / hz)  # spread the phases; heartbeat from registration on
-        call = stub.Heartbeat()
 
-        async def read() -> None:
-            try:
-                async for _ in call:
-                    pass
-            except (grpc.RpcError, asyncio.CancelledError):
-                pass
-
-        reader = asyncio.create_task(read())
-        seq = 0
-        mode = victims.get(node_id)
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         try:
-            while time.time() < stop_at:
-                if mode and time.time() >= kill_at:
-                    died[node_id] = time.time()
-                    if mode == "close":
-                        call.cancel()
-                        return
-                    await asyncio.sleep(max(0.0, stop_at - time.time()))  # hung: silent, stream open
-                    return
-                seq += 1
-                await call.write(coordinator_pb2.HeartbeatRequest(node_id=node_id, incarnation=inc, seq=seq,
-                                                                  known_epoch=0))
-                await asyncio.sleep(1.0 / hz)
-        except (grpc.RpcError, asyncio.CancelledError) as exc:
-            count("heartbeat", exc)
-        finally:
-            reader.cancel()
-            if not call.done():
-                call.cancel()
-
-    await asyncio.gather(*(one(n) for n in ids))
-    for channel in channels:
-        await channel.close()
-    out.put({"died": died, "errors": errors, "kinds": kinds})
+            if cond():
+                return
+        except Exception:  # not up yet
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"no {what} within {timeout}s")
 
 
-def _worker(*args: Any) -> None:
-    asyncio.run(_agents(*args))
+def _leader(replicas: list[_Replica]) -> _Replica | None:
+    for rep in replicas:
+        if rep.proc.poll() is None:
+            try:
+                if scrape(rep.metrics).get("ftd_coordinator_is_leader") == 1.0:
+                    return rep
+            except OSError:
+                pass
+    return None
 
 
-def run_one(n: int, duration: float, hz: float, procs: int, kills: int, work: Path, tls: bool = False,
+def _etcd_sample(etcd: EtcdCluster) -> dict[str, float]:
+    return scrape(etcd.members[0].client_url.split("://", 1)[1])
+
+
+def _restore_target(address: str, tls: IdentityFiles | None, timeout: float = 10) -> Any:
+    with rpc.channel(address, tls=tls) as ch:
+        return coordinator_pb2_grpc.CoordinatorStub(ch).GetRestoreTarget(
+            checkpoint_pb2.GetRestoreTargetRequest(job=JOB), timeout=timeout)
+
+
+def _has_memory(target: Any) -> bool:
+    return bool(target.found and target.checkpoint.on_tier.get("mem"))
+
+
+def _restore_latency(address: str, tls: IdentityFiles | None, tries: int = 5) -> dict[str, Any]:
+    took, target = [], None
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        try:
+            target = _restore_target(address, tls)
+        except grpc.RpcError as exc:
+            return {"restore_target_error": rpc.describe(exc)[:200]}
+        took.append(time.perf_counter() - t0)
+    assert target is not None
+    return {"restore_target_ms_p50": round(1000 * (percentile(took, 50) or 0), 1),
+            "restore_target_ms_max": round(1000 * max(took), 1),
+            "restore_target_step": target.checkpoint.step if target.found else None,
+            "restore_target_memory": _has_memory(target),
+            "restore_target_mem_copies_min": min((sum(c.tier == "mem" for c in sh.copies)
+                                                  for sh in target.checkpoint.shards), default=0),
+            "restore_target_reason": target.reason[:160]}
+
+
+def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles | None,
+                 before: int | None) -> dict[str, Any]:
+    """SIGKILL the leader; poll the others until one answers a complete restore target."""
+    killed_at = time.time()
+    os.kill(leader.proc.pid, signal.SIGKILL)
+    leader.proc.wait(timeout=10)
+    others = [r for r in replicas if r is not leader]
+    backwards, first_answer, complete_at, new, refusals = 0, None, None, None, 0
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and complete_at is None:
+        for rep in others:
+            try:
+                target = _restore_target(rep.address, tls, timeout=2)
+            except grpc.RpcError as exc:
+                refusals += rpc.rpc_code(exc) == grpc.StatusCode.UNAVAILABLE
+                continue
+            now = time.time()
+            first_answer = first_answer or now
+            if target.found and before is not None and target.checkpoint.step < before:
+                backwards += 1
+            if target.found and _has_memory(target) and (before is None or target.checkpoint.step >= before):
+                complete_at, new = now, rep
+                break
+        time.sleep(0.05)
+    out: dict[str, Any] = {"failover_restore_step_before": before, "failover_went_backwards": backwards,
+                           "failover_first_answer_s": _r(first_answer - killed_at) if first_answer else None,
+                           "failover_complete_target_s": _r(complete_at - killed_at) if complete_at else None}
+    if new is not None:
+        with rpc.channel(new.address, tls=tls) as ch:
+            status = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=10)
+        assert complete_at is not None
+        out["failover_complete_after_takeover_s"] = _r(complete_at - status.leader_since_unix_s)
+        out["failover_takeover_s"] = _r(status.leader_since_unix_s - killed_at)
+        out["failover_new_leader"] = new.rid
+    return out
+
+
+def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool = False,
             per_agent: bool = False) -> dict[str, Any]:
     mode = "tls" if tls else "plaintext"
+    tag = f"{n}-{mode}-{path}"
     ids = [f"sim-{i:05d}" for i in range(n)]
     pki_dir: Path | None = None
     tls_args: list[str] = []
+    coordinators = [f"c{i}" for i in range(args.replicas)]
     if tls:
         pki_dir = work / f"pki-{n}"
-        bootstrap(pki_dir, CLUSTER, nodes=(), coordinators=["c0"])
+        bootstrap(pki_dir, CLUSTER, nodes=(), coordinators=coordinators)
         for node_id in ids:
             if not paths(pki_dir, "node", node_id)[0].exists():
                 issue(pki_dir, "node", node_id)
-        tls_args = ["--pki-dir", str(pki_dir), "--replica-id", "c0", "--cluster", CLUSTER]
-    etcd = EtcdCluster(work / f"etcd-{n}-{mode}", size=1).start()
-    ready = work / f"coord-{n}-{mode}.json"
-    log = work / f"coord-{n}-{mode}.log"
-    coord = _spawn([sys.executable, "-m", "ftd.coordinator.main", "--etcd-endpoints", etcd.endpoints,
-                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready),
-                    "--log-level", "WARNING", "--failover-grace-s", "2", *tls_args], log)
+        for c in coordinators:
+            if not paths(pki_dir, "coordinator", c)[0].exists():
+                issue(pki_dir, "coordinator", c)
+        tls_args = ["--pki-dir", str(pki_dir), "--cluster", CLUSTER]
+    config = work / f"coord-{tag}.yaml"  # JSON is YAML
+    config.write_text(json.dumps({"admitted_nodes": ids, "unmanaged_jobs": True}))
+    etcd = EtcdCluster(work / f"etcd-{tag}", size=1).start()
     operator = IdentityFiles(pki_dir, "operator", DEFAULT_OPERATOR) if pki_dir is not None else None
+    replicas: list[_Replica] = []
     try:
-        info = _wait_file(ready, coord, time.monotonic() + 30, log)
+        replicas = _start_replicas(args.replicas, etcd, work, tag, tls_args, config)
+        leader = replicas[0]
         spares = set(ids[:: 100])
         candidates = [i for i in ids if i not in spares]
-        chosen = random.sample(candidates, min(kills, len(candidates)))
+        chosen = random.sample(candidates, min(args.kills, len(candidates)))
         victims = {node: ("close" if k % 2 == 0 else "hang") for k, node in enumerate(chosen)}
-        warmup = max(10.0, n / 500.0)  # registration of N agents is N guarded etcd writes
+        warmup = max(10.0, n / 250.0)  # registration of N agents is N guarded etcd writes
         start_at = time.time() + warmup
-        kill_at = start_at + 5.0 + duration / 2
-        stop_at = start_at + 5.0 + duration
+        kill_at = start_at + 5.0 + args.duration / 2
+        window_end = start_at + 5.0 + args.duration
+        stop_at = window_end + (45.0 if args.kill_leader else 0.0)
+        plan = Plan(endpoints=[r.address for r in replicas], hz=args.hz, path=path,
+                    ranks_per_node=args.ranks_per_node, memory=args.memory_every_step, step_s=args.step_s, n=n,
+                    start_at=start_at, kill_at=kill_at, stop_at=stop_at, victims=victims, spares=spares,
+                    pki_dir=str(pki_dir) if pki_dir is not None and (tls or per_agent) else None)
         queue: Any = mp.Queue()
-        workers = [mp.Process(target=_worker, args=(info["address"], ids[i::procs], spares, hz, start_at, kill_at,
-                                                     victims, stop_at, queue,
-                                                     str(pki_dir) if pki_dir is not None else None, per_agent))
-                   for i in range(procs)]
+        workers = [mp.Process(target=worker, args=(plan, ids[i::args.procs], queue)) for i in range(args.procs)]
         for w in workers:
             w.start()
         time.sleep(max(0.0, start_at + 5.0 - time.time()))  # all streams up, steady state
-        m0, c0, t0 = scrape(info["metrics"]), cpu_seconds(coord.pid), time.monotonic()
-        time.sleep(max(0.0, stop_at - time.time() - 0.5))
-        m1, c1, t1 = scrape(info["metrics"]), cpu_seconds(coord.pid), time.monotonic()
-        events = _events(info["address"], operator)  # before the simulated agents stop (then all would die)
-        results = [queue.get(timeout=120) for _ in workers]
+        m0, e0, t0 = scrape(leader.metrics), _etcd_sample(etcd), time.monotonic()
+        c0 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
+        time.sleep(max(0.0, window_end - time.time() - 0.5))
+        m1, e1, t1 = scrape(leader.metrics), _etcd_sample(etcd), time.monotonic()
+        c1 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
+        events = _events(leader.address, operator)  # before the simulated agents stop (then all would die)
+        restore = _restore_latency(leader.address, operator) if args.memory_every_step else {}
+        failover: dict[str, Any] = {}
+        if args.kill_leader and len(replicas) > 1:
+            failover = _kill_leader(replicas, leader, operator, restore.get("restore_target_step"))
+            new = next((r for r in replicas if r.rid == failover.get("failover_new_leader")), None)
+            if new is not None:
+                after = [e for e in _events(new.address, operator)
+                         if e.kind == "node_dead" and e.at_unix_s > window_end and e.node_id not in victims]
+                failover["failover_false_positives"] = len({e.node_id for e in after})
+        results = [queue.get(timeout=180) for _ in workers]
         for w in workers:
             w.join(timeout=30)
         died: dict[str, float] = {}
-        for r in results:
-            died.update(r["died"])
+        sent: dict[str, int] = {}
+        for res in results:
+            died.update(res["died"])
+            for k, v in res["sent"].items():
+                sent[k] = sent.get(k, 0) + v
         dead_at = {e.node_id: e.at_unix_s for e in reversed(events) if e.kind == "node_dead"}
         latencies = [dead_at[v] - died[v] for v in victims if v in dead_at and v in died]
         missed = [v for v in victims if v not in dead_at]
         false_pos = [nid for nid in dead_at if nid not in victims]
         window = t1 - t0
-        hb = delta(m0, m1, "ftd_coordinator_heartbeats_received_total")
-        writes = delta(m0, m1, "ftd_coordinator_etcd_writes_total")
+        stream_hb = delta(m0, m1, "ftd_coordinator_heartbeats_received_total")
+        beacons = delta(m0, m1, BEACONS_ACCEPTED)
+        alive = stream_hb + beacons
         ticks = delta(m0, m1, "ftd_coordinator_tick_duration_seconds_count")
         tick_sum = delta(m0, m1, "ftd_coordinator_tick_duration_seconds_sum")
+        rev = "etcd_debugging_mvcc_current_revision"
+        revisions = e1.get(rev, 0) - e0.get(rev, 0)
+        leader_cpu = c1[leader.rid] - c0[leader.rid]
         return {
-            "agents": n, "transport": "mTLS + authorization" if tls else "plaintext",
-            "channels": "one per agent" if per_agent or tls else "one per process",
-            "target_hz": hz, "heartbeat_hz": round(hb / window, 1),
-            "heartbeat_ratio": round(hb / window / (n * hz), 3),
+            "agents": n, "path": path, "ranks_per_node": args.ranks_per_node,
+            "memory_every_step": args.memory_every_step, "step_s": args.step_s if args.memory_every_step else None,
+            "replicas": args.replicas, "transport": "mTLS + authorization" if tls else "plaintext",
+            "target_hz": args.hz, "heartbeat_hz": round(alive / window, 1),
+            "heartbeat_ratio": round(alive / window / (n * args.hz), 3),
+            "stream_messages_per_s": round(stream_hb / window, 1), "beacons_per_s": round(beacons / window, 1),
             "p50_detection_s": _r(percentile(latencies, 50)), "p99_detection_s": _r(percentile(latencies, 99)),
             "detected": len(latencies), "missed": len(missed), "false_positives": len(false_pos),
-            "etcd_writes_per_s": round(writes / window, 3), "etcd_writes_in_window": writes,
-            "coordinator_cpu_pct": round(100 * (c1 - c0) / window, 1),
-            "coordinator_cpu_us_per_heartbeat": round(1e6 * (c1 - c0) / hb, 1) if hb else None,
+            "etcd_writes_per_s": round(revisions / window, 2),
+            "coordinator_etcd_writes_per_s": round(delta(m0, m1, "ftd_coordinator_etcd_writes_total") / window, 2),
+            "etcd_db_growth_bytes": int(e1.get("etcd_mvcc_db_total_size_in_bytes", 0)
+                                        - e0.get("etcd_mvcc_db_total_size_in_bytes", 0)),
+            "leader_cpu_pct": round(100 * leader_cpu / window, 1),
+            "leader_cpu_us_per_agent_s": round(1e6 * leader_cpu / (n * window), 1),
+            "replica_cpu_pct": {r.rid: round(100 * (c1[r.rid] - c0[r.rid]) / window, 1) for r in replicas},
             "tick_mean_ms": round(1000 * tick_sum / ticks, 2) if ticks else None,
             "stalls": m1.get("ftd_coordinator_detector_stalls_total", 0),
-            "sim_errors": sum(r["errors"] for r in results),
-            "sim_error_kinds": _merged([r["kinds"] for r in results]),
+            **restore, **failover,
+            "sim_sent": sent,
+            "sim_errors": sum(res["errors"] for res in results),
+            "sim_error_kinds": _merged([res["kinds"] for res in results]),
             "rpc_denied": delta(m0, m1, "ftd_coordinator_rpc_denied_total"),
         }
     finally:
-        coord.terminate()
-        coord.wait(timeout=20)
+        for rep in replicas:
+            if rep.proc.poll() is None:
+                rep.proc.terminate()
+                rep.proc.wait(timeout=20)
         etcd.stop()
 
 
@@ -231,38 +314,50 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", default="1000", help="N, or a comma-separated list of N to try in turn")
     ap.add_argument("--duration", type=float, default=30.0, help="measured window per N [s]")
-    ap.add_argument("--hz", type=float, default=1.0, help="heartbeats per agent per second")
+    ap.add_argument("--hz", type=float, default=2.0, help="heartbeats per agent per second (the agent's default: 2)")
     ap.add_argument("--procs", type=int, default=2, help="processes simulating agents")
     ap.add_argument("--kills", type=int, default=10, help="agents that die during the window")
     ap.add_argument("--tls", action="store_true", help="mTLS + authorization, a certificate per simulated agent")
     ap.add_argument("--compare-tls", action="store_true",
                     help="run each N plaintext and then with --tls, one channel per agent in both")
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--memory-every-step", action="store_true",
+                    help="every node snapshots its ranks every --step-s and keeps its buddy's replicas")
+    ap.add_argument("--step-s", type=float, default=4.0, help="the simulated job's step time [s]")
+    ap.add_argument("--paths", default="",
+                    help="rpc, beacons or rpc,beacons (default: both with --memory-every-step, else beacons)")
+    ap.add_argument("--replicas", type=int, default=1, help="coordinator replicas (one leads)")
+    ap.add_argument("--kill-leader", action="store_true", help="SIGKILL the leader after the window (--replicas >= 2)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.kill_leader and args.replicas < 2:
+        ap.error("--kill-leader needs --replicas 2 or more")
+    paths_run = [p for p in (args.paths or ("rpc,beacons" if args.memory_every_step else "beacons")).split(",") if p]
+    if any(p not in ("rpc", "beacons") for p in paths_run):
+        ap.error(f"--paths: rpc and/or beacons, got {args.paths!r}")
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-scale-"))
     results = []
     modes = [False, True] if args.compare_tls else [args.tls]
     for n in (int(x) for x in args.agents.split(",")):
-        pair = []
         for tls in modes:
-            r = run_one(n, args.duration, args.hz, args.procs, args.kills, work, tls=tls,
-                        per_agent=args.compare_tls)
-            pair.append(r)
-            results.append(r)
-            if not args.json:
-                emit(r, False)
-                print(flush=True)
-        if len(pair) == 2:
-            plain, secure = pair
-            cost = {"agents": n, "comparison": "mTLS / plaintext"}
-            for key in ("coordinator_cpu_pct", "coordinator_cpu_us_per_heartbeat", "heartbeat_hz",
-                        "p99_detection_s"):
-                a, b = plain.get(key), secure.get(key)
-                cost[f"tls_{key}_ratio"] = round(b / a, 2) if a and b else None
-            results.append(cost)
-            if not args.json:
-                emit(cost, False)
-                print(flush=True)
+            by_path = {}
+            for path in paths_run:
+                r = run_one(n, args, work, path, tls=tls, per_agent=args.compare_tls)
+                by_path[path] = r
+                results.append(r)
+                if not args.json:
+                    emit(r, False)
+                    print(flush=True)
+            if len(by_path) == 2:
+                old, new = by_path["rpc"], by_path["beacons"]
+                cmp = {"agents": n, "comparison": "beacons / rpc", "transport": old["transport"]}
+                for key in ("leader_cpu_us_per_agent_s", "leader_cpu_pct", "etcd_writes_per_s", "p99_detection_s"):
+                    a, b = old.get(key), new.get(key)
+                    cmp[f"ratio_{key}"] = round(b / a, 3) if a and b is not None else None
+                results.append(cmp)
+                if not args.json:
+                    emit(cmp, False)
+                    print(flush=True)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results, indent=2))
 

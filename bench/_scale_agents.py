@@ -1,0 +1,296 @@
+"""Simulated agents for ``bench/coordinator_scale.py``: asyncio tasks over real gRPC (and UDP), each
+speaking the agent's protocol the way ``agent/heartbeat.py`` does, in one of two shapes:
+
+* ``rpc`` (the path before issue 19): a heartbeat on the stream every 1/hz s with the training progress,
+  and every step, per rank, a ``CommitShard(tier="mem")`` for the node's own ranks and a
+  ``RecordCopy(tier="mem")`` for each rank of the nodes it mirrors (the buddy's replica), one unary RPC each.
+* ``beacons`` (issue 19): liveness as UDP beacons (ftd/beacons.py) every 1/hz s, and one stream message
+  per step carrying the progress and the node's whole memory tier (``HeartbeatRequest.memory``); a probe
+  is answered on the stream at once.
+
+Each simulated node follows the leader: when its stream ends it tries the next coordinator replica
+(a new stream's first message carries the full memory report, as a real agent's does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from ftd import rpc
+from ftd.identity import IdentityFiles
+from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+JOB = "bench"
+OPTIONS = [("grpc.max_concurrent_streams", 100_000)]
+SHARD_BYTES = 2 << 30  # a DCP shard of a 16k-GPU job: ~2 GiB per rank
+
+
+@dataclass
+class Plan:
+    """What every simulated node of one run does (picklable: it crosses into the worker processes)."""
+
+    endpoints: list[str]
+    hz: float
+    path: str                  # "rpc" or "beacons"
+    ranks_per_node: int
+    memory: bool
+    step_s: float
+    n: int
+    start_at: float
+    kill_at: float
+    stop_at: float
+    victims: dict[str, str]
+    spares: set[str]
+    pki_dir: str | None
+    keepalive_s: float = 5.0
+
+
+@dataclass
+class _Tally:
+    died: dict[str, float] = field(default_factory=dict)
+    errors: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)
+
+    def count(self, phase: str, exc: BaseException) -> None:
+        self.errors += 1
+        code = rpc.rpc_code(exc)
+        key = f"{phase}:{code.name if code else type(exc).__name__}"
+        if key not in self.kinds:  # the first of each kind, with its details
+            print(f"simulated agent {phase} failed: {rpc.describe(exc)}"[:400], file=sys.stderr)
+        self.kinds[key] = self.kinds.get(key, 0) + 1
+
+    def sent_one(self, what: str, k: int = 1) -> None:
+        self.sent[what] = self.sent.get(what, 0) + k
+
+
+def index_of(node_id: str) -> int:
+    return int(node_id.rsplit("-", 1)[1])
+
+
+def trainers(plan: Plan) -> dict[str, int]:
+    """The nodes that train (not the spares) -> their position: node p holds ranks p*K .. p*K+K-1."""
+    ids = sorted(f"sim-{i:05d}" for i in range(plan.n))
+    return {node: p for p, node in enumerate(n for n in ids if n not in plan.spares)}
+
+
+def manifest(step: int, epoch: int, rank: int, world: int, now: float) -> checkpoint_pb2.ShardManifest:
+    """A DCP shard's manifest as a rank's snapshot writes it (its data file and its signature)."""
+    crc = f"{(step * 7919 + rank * 104729) & 0xFFFFFFFF:08x}"
+    return checkpoint_pb2.ShardManifest(
+        job=JOB, step=step, epoch=epoch, rank=rank, world_size=world, format="dcp", created_unix_s=now,
+        files=[checkpoint_pb2.ShardFile(name=f"__{rank}_0.distcp", size=SHARD_BYTES, crc32c=crc),
+               checkpoint_pb2.ShardFile(name="SHARD.sig", size=1400, crc32c=crc[::-1])])
+
+
+class _Node:
+    def __init__(self, plan: Plan, node_id: str, tally: _Tally, udp: socket.socket,
+                 positions: dict[str, int]) -> None:
+        self.plan, self.node_id, self.tally, self.udp = plan, node_id, tally, udp
+        self.inc = f"sim-{node_id}"
+        self.idx = index_of(node_id)
+        self.k = plan.ranks_per_node
+        self.position = positions
+        self.world = len(positions) * plan.ranks_per_node
+        self.epoch = 0
+        self.mirrors: list[str] = []
+        self.target: Any = None  # the stream's BeaconTarget
+        self.probed = asyncio.Event()
+        self.beacon_seq = 0
+        self.report_version = 0
+        self.endpoint = self.idx % len(plan.endpoints)
+        self.channel: aio.Channel | None = None
+        self.pending: set[asyncio.Task[None]] = set()
+
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        if self.channel is None:
+            tls = IdentityFiles(Path(self.plan.pki_dir), "node", self.node_id) if self.plan.pki_dir else None
+            self.channel = rpc.aio_channel(self.plan.endpoints[self.endpoint], OPTIONS, tls=tls)
+        return coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    async def _next_endpoint(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        self.channel = None
+        self.endpoint = (self.endpoint + 1) % len(self.plan.endpoints)
+
+    def step(self, now: float) -> int:
+        return max(0, int((now - self.plan.start_at) / self.plan.step_s))
+
+    def memory_report(self, step: int, now: float) -> coordinator_pb2.MemoryReport:
+        """The node's memory tier: its ranks' two newest snapshots, and those of the nodes it mirrors."""
+        snaps = []
+        for s in (step - 1, step):
+            if s < 1:
+                continue
+            for r in range(self.k if self.node_id in self.position else 0):
+                snaps.append(coordinator_pb2.MemorySnapshot(
+                    manifest=manifest(s, self.epoch, self.position[self.node_id] * self.k + r, self.world, now)))
+            for m in (x for x in self.mirrors if x in self.position):
+                for r in range(self.k):
+                    snaps.append(coordinator_pb2.MemorySnapshot(
+                        manifest=manifest(s, self.epoch, self.position[m] * self.k + r, self.world, now),
+                        replica=True, owner=m))
+        self.report_version += 1
+        return coordinator_pb2.MemoryReport(snapshots=snaps, version=self.report_version)
+
+    async def run(self) -> None:
+        plan = self.plan
+        role = cluster_pb2.ROLE_SPARE if self.node_id in plan.spares else cluster_pb2.ROLE_ACTIVE
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                await self._stub().Register(coordinator_pb2.RegisterRequest(
+                    node_id=self.node_id, host="127.0.0.1", role=role, agent_address="127.0.0.1:1", pid=1,
+                    incarnation=self.inc), timeout=30)
+                break
+            except grpc.RpcError as exc:
+                self.tally.count("register", exc)
+                await self._next_endpoint()
+                await asyncio.sleep(0.5)
+        await asyncio.sleep(random.random() / plan.hz)  # spread the phases
+        while time.time() < plan.stop_at:
+            ended = await self._stream()
+            if ended == "done":
+                return
+            await self._next_endpoint()
+            await asyncio.sleep(0.05 + 0.2 * random.random())
+
+    async def _stream(self) -> str:
+        """One heartbeat stream, until it fails ("retry"), the node dies or the run ends ("done")."""
+        plan = self.plan
+        call = self._stub().Heartbeat()
+        self.target = None
+        self.probed.clear()
+        reader = asyncio.create_task(self._read(call))
+        seq = 0
+        mode = plan.victims.get(self.node_id)
+        beacons = plan.path == "beacons"
+        last_step, last_stream = -1, 0.0
+        first = True
+        try:
+            while time.time() < plan.stop_at:
+                now = time.time()
+                if mode and now >= plan.kill_at:
+                    self.tally.died[self.node_id] = now
+                    if mode == "close":
+                        call.cancel()
+                    else:  # hung: silent, stream open
+                        await asyncio.sleep(max(0.0, plan.stop_at - time.time()))
+                    return "done"
+                if reader.done():
+                    return "retry"
+                step = self.step(now)
+                req = coordinator_pb2.HeartbeatRequest(node_id=self.node_id, incarnation=self.inc,
+                                                       known_epoch=self.epoch, beaconing=beacons)
+                if plan.memory or beacons:
+                    req.progress.step = step
+                stepped = step != last_step
+                if beacons:
+                    send = first or stepped or self.probed.is_set() or self.target is None or \
+                        now - last_stream >= plan.keepalive_s
+                    if plan.memory and (first or stepped):
+                        req.memory.CopyFrom(self.memory_report(step, now))
+                    if self.target is not None and not self.probed.is_set():
+                        self._beacon()
+                else:
+                    send = True
+                    if plan.memory and stepped and not first:
+                        task = asyncio.create_task(self._commit_rpcs(step))
+                        self.pending.add(task)
+                        task.add_done_callback(self.pending.discard)
+                if send:
+                    seq += 1
+                    req.seq = seq
+                    self.probed.clear()
+                    await call.write(req)
+                    self.tally.sent_one("stream")
+                    last_stream = now
+                first = False
+                last_step = step
+                await asyncio.sleep(1.0 / plan.hz)
+            return "done"
+        except (grpc.RpcError, asyncio.CancelledError) as exc:
+            if time.time() < plan.stop_at:
+                self.tally.count("heartbeat", exc)
+            return "retry"
+        finally:
+            reader.cancel()
+            if not call.done():
+                call.cancel()
+
+    async def _read(self, call: Any) -> None:
+        try:
+            async for response in call:
+                a = response.assignment
+                self.epoch = max(self.epoch, a.epoch)
+                if a.HasField("peers"):
+                    self.mirrors = list(a.peers.mirrors)
+                if response.HasField("beacon"):
+                    self.target = response.beacon
+                if response.probe:
+                    self.probed.set()
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+
+    def _beacon(self) -> None:
+        from ftd import beacons  # issue 19's wire format
+
+        self.beacon_seq += 1
+        t = self.target
+        self.udp.sendto(beacons.encode(self.node_id, t.key_id, self.beacon_seq, t.key),
+                        (self.plan.endpoints[self.endpoint].rsplit(":", 1)[0], t.port))
+        self.tally.sent_one("beacons")
+
+    async def _commit_rpcs(self, step: int) -> None:
+        """The per-rank RPCs of one step on the rpc path: own ranks' commits, then, as a buddy's replica
+        lands a moment later, the mirrored ranks' copies of the same step."""
+        stub = self._stub()
+        now = time.time()
+        if self.node_id in self.position:  # a spare trains nothing but keeps replicas
+            mine = self.position[self.node_id] * self.k
+            commits = [stub.CommitShard(checkpoint_pb2.CommitShardRequest(
+                manifest=manifest(step, self.epoch, mine + r, self.world, now), tier="mem",
+                location=self.node_id), timeout=30) for r in range(self.k)]
+            self._tally(await asyncio.gather(*commits, return_exceptions=True))
+        await asyncio.sleep(1.0 / self.plan.hz + 0.3)  # the buddies noticed the step and committed by then
+        copies = [stub.RecordCopy(checkpoint_pb2.RecordCopyRequest(
+            job=JOB, step=step, rank=self.position[m] * self.k + r, tier="mem", location=self.node_id,
+            present=True), timeout=30) for m in self.mirrors if m in self.position for r in range(self.k)]
+        self._tally(await asyncio.gather(*copies, return_exceptions=True))
+
+    def _tally(self, outcomes: list[Any]) -> None:
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                self.tally.count("memory-rpc", outcome)
+            else:
+                self.tally.sent_one("memory-rpc")
+
+
+async def _simulate(plan: Plan, ids: list[str], out: Any) -> None:
+    tally = _Tally()
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.setblocking(False)
+    positions = trainers(plan)
+    nodes = [_Node(plan, n, tally, udp, positions) for n in ids]
+    await asyncio.gather(*(node.run() for node in nodes))
+    for node in nodes:
+        if node.channel is not None:
+            await node.channel.close()
+    udp.close()
+    tally.sent["nodes_with_mirrors"] = sum(1 for node in nodes if node.mirrors)
+    out.put({"died": tally.died, "errors": tally.errors, "kinds": tally.kinds, "sent": tally.sent})
+
+
+def worker(plan: Plan, ids: list[str], out: Any) -> None:
+    asyncio.run(_simulate(plan, ids, out))
