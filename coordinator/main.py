@@ -21,6 +21,7 @@ from ftd.identity import PkiError, identity_of
 from ftd.settings import load_or_exit
 
 from . import validation
+from .beacon_listener import BeaconBook, BeaconProtocol, listen
 from .control import Controller
 from .etcd_space import EtcdSpace, SpaceConfig, SpaceKeeper
 from .etcd_store import EtcdStore
@@ -112,16 +113,28 @@ async def serve(settings: CoordinatorSettings) -> int:
         guard.facts = authz_facts(controller)  # what the leader knows: hosts, job members, rank 0
         guard.deny = controller.access.deny_list  # revoked identities and serials (ftctl certs revoke)
     add_to_server(server, controller)
+    beacon_transport = None
+    if settings.beacon_listen != "off":
+        bhost, bport = rpc.parse_hostport(settings.beacon_listen) if settings.beacon_listen else (host, 0)
+        protocol = BeaconProtocol(controller.membership.on_beacon, metrics.beacons_accepted, metrics.beacons_dropped)
+        try:
+            beacon_transport, bport = await listen(bhost, bport, protocol)
+        except OSError as exc:
+            log.error("cannot listen for beacons on UDP %s:%d (setting beacon_listen): %s", bhost, bport, exc)
+            return 1
+        controller.membership.beacons = BeaconBook(bport, settings.beacon_interval_s)
     await server.start()
     metrics_address = start_http(settings.metrics_listen, controller, metrics)
     logs.set_identity(replica=controller.replica_id)
-    log.info("serving on %s (%s; metrics %s), etcd %s (%s), cluster %r", address,
+    beacon_port = controller.membership.beacons.port if controller.membership.beacons is not None else 0
+    log.info("serving on %s (%s; metrics %s; beacons %s), etcd %s (%s), cluster %r", address,
              f"mTLS as coordinator/{settings.replica_id}" if guard is not None else "PLAINTEXT",
-             metrics_address or "off", settings.etcd_endpoints, "TLS" if settings.etcd_tls else "plaintext",
-             settings.cluster)
+             metrics_address or "off", f"UDP {beacon_port}" if beacon_port else "off", settings.etcd_endpoints,
+             "TLS" if settings.etcd_tls else "plaintext", settings.cluster)
     if settings.ready_file:
         write_ready_file(settings.ready_file, {"pid": os.getpid(), "address": address,
-                                               "metrics": metrics_address, "replica_id": controller.replica_id})
+                                               "metrics": metrics_address, "replica_id": controller.replica_id,
+                                               "beacon_port": beacon_port})
     systemd.notify(f"READY=1\nSTATUS=serving on {address}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -136,6 +149,8 @@ async def serve(settings: CoordinatorSettings) -> int:
     runner.cancel()
     space_runner.cancel()
     await server.stop(grace=1.0)
+    if beacon_transport is not None:
+        beacon_transport.close()
     store.close()
     space.close()
     return 0

@@ -7,6 +7,8 @@
   believes it.
 * Every node's buddy and peer addresses (:mod:`.buddies`) are chosen again when the world or the set
   of alive nodes changed, and pushed to the nodes whose choice changed (``Assignment.peers``).
+* Liveness also comes as UDP beacons (:mod:`.beacon_listener`): each stream gets a key on its first
+  answer; a beaconing node that falls silent is probed on its stream before the detector may act.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from ftd.beacons import Beacon
 from ftd.logs import set_identity
 from ftd.promotion_fitness import eligible_for_promotion
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import buddies, errors, handover_rules, rate_limits, validation
 from .admission import check_heartbeat, decide_registration, validate_register
+from .beacon_listener import BeaconBook, BeaconKey, admit, probe_due
 from .detector import Liveness, State, Verdict, judge
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
@@ -53,6 +57,11 @@ class Stream:
     sent_peers: buddies.PeerSet | None = None  # what the last Assignment.peers on this stream said
     last_write: float = -1e9  # monotonic time of the last answer written
     close_error: errors.CoordinatorError | None = None
+    beacon: BeaconKey | None = None  # this stream's beacon key (None: this leader takes no beacons)
+    beacon_sent: bool = False  # the BeaconTarget rode on an answer
+    beaconing: bool = False  # the agent's latest message says it sends beacons (its stream carries changes only)
+    probed_at: float | None = None  # monotonic time of the last probe pushed
+    probe_pending: bool = False  # the next answer carries probe=true
 
     def close(self, error: errors.CoordinatorError | None = None) -> None:
         self.close_error = error
@@ -73,6 +82,7 @@ class Membership:
         self.clock = clock  # monotonic: liveness, detection, recovery timing
         self.wall = wall  # unix time: registration and fence records
         self.streams: dict[str, Stream] = {}
+        self.beacons: BeaconBook | None = None  # set once the beacon port is bound (None: beacons off)
         self.recovery = RecoveryTracker()
         self.changed = False  # membership changed since the gauges were last published
         self._lock = asyncio.Lock()
@@ -86,6 +96,8 @@ class Membership:
         # Set by the controller: each heartbeat's progress goes to the straggler watch, which also
         # names spares not to promote (replaced as stragglers, no passing health check since).
         self.on_progress: Callable[[str, cluster_pb2.Progress], None] = lambda node_id, progress: None
+        # a node's memory report (node, incarnation, report): the catalog's ledger (memory_ledger.py)
+        self.on_memory: Callable[[str, str, coordinator_pb2.MemoryReport], None] = lambda n, i, r: None
         # Set by the controller: each committed failure of a node of the job (cause, node, since: its last
         # sign of life, unix s; None: not known) goes to the goodput ledger.
         self.on_failure: Callable[[str, str, float | None], None] = lambda cause, node_id, since: None
@@ -135,6 +147,8 @@ class Membership:
         view = self.state.require_leader()
         node = check_heartbeat(view, req)
         stream = Stream(req.node_id, req.incarnation)
+        if self.beacons is not None:
+            stream.beacon = self.beacons.issue(req.node_id)  # a fresh key per stream: a new leader, a new key
         old = self.streams.get(req.node_id)
         if old is not None:
             old.close()
@@ -163,6 +177,7 @@ class Membership:
         runtime.last_heartbeat = now
         runtime.known_epoch = req.known_epoch
         runtime.seq = req.seq
+        stream.beaconing = req.beaconing
         if req.HasField("health"):
             runtime.health = req.health
         if req.HasField("progress"):
@@ -170,7 +185,45 @@ class Membership:
             self.on_progress(req.node_id, req.progress)
             if self.recovery.open is not None:
                 self._recovery_progress(now, req.progress.step)
+        if req.HasField("memory"):
+            self.on_memory(req.node_id, req.incarnation, req.memory)
         self.metrics.heartbeats.inc()
+
+    def on_beacon(self, beacon: Beacon) -> str | None:
+        """One decoded beacon (the UDP handler's; keep it tiny): a valid one refreshes its node's
+        liveness as a stream heartbeat does (not health, not progress). Returns the drop reason, if any."""
+        view, book = self.state.view, self.beacons
+        if view is None or book is None:
+            return "not_leader"
+        entry = book.keys.get(beacon.key_id)
+        reason = admit(beacon, entry)
+        if reason is not None or entry is None:
+            return reason or "unknown_key"
+        live = view.liveness.get(entry.node_id)
+        if live is None:
+            return "unknown_key"
+        entry.seq_seen = beacon.seq
+        now = self.clock()
+        live.last_seen = now
+        live.grace_until = 0.0
+        runtime = view.runtime.get(entry.node_id)
+        if runtime is not None:
+            runtime.last_heartbeat = now
+        return None
+
+    def _probe(self, node_id: str, last_seen: float, now: float) -> None:
+        """Asks a suspect beaconing node on its stream instead of letting its silence speak
+        (:func:`~.beacon_listener.probe_due`): a live agent answers at once."""
+        stream = self.streams.get(node_id)
+        if stream is None or stream.beacon is None:
+            return
+        why = probe_due(now, last_seen, stream.beaconing, stream.probed_at, self.settings.suspect_after_s)
+        if why is None:
+            return
+        stream.probed_at, stream.probe_pending = now, True
+        stream.queue.put_nowait(PUSH)
+        self.metrics.probes.inc()
+        log.info("node %s: %s", node_id, why)
 
     def _recovery_progress(self, now: float, step: int) -> None:
         done = self.recovery.progress(now, step)
@@ -204,6 +257,15 @@ class Membership:
         if peers != stream.sent_peers:
             stream.sent_peers = peers
             response.assignment.peers.CopyFrom(_peers_proto(peers))
+        book = self.beacons
+        if stream.beacon is not None and book is not None:
+            if not stream.beacon_sent:
+                stream.beacon_sent = True
+                response.beacon.CopyFrom(book.target(stream.beacon))
+            response.beacon_seq_seen = stream.beacon.seq_seen
+        if stream.probe_pending:
+            stream.probe_pending = False
+            response.probe = True
         draining = [n for n in view.drains if view.rank_of(n) >= 0]
         if draining:
             response.draining.extend(sorted(draining))
@@ -266,6 +328,8 @@ class Membership:
                 stream.queue.put_nowait(PUSH)
 
     def close_stream(self, stream: Stream) -> None:
+        if self.beacons is not None:
+            self.beacons.revoke(stream.beacon)
         if self.streams.get(stream.node_id) is stream:
             del self.streams[stream.node_id]
             self.metrics.heartbeat_streams.set(len(self.streams))
@@ -279,6 +343,8 @@ class Membership:
         for stream in list(self.streams.values()):
             stream.close(error)
         self.streams.clear()
+        if self.beacons is not None:
+            self.beacons.clear()
         self.metrics.heartbeat_streams.set(0)
 
     def push_all(self) -> None:
@@ -396,7 +462,8 @@ class Membership:
         pending drain of their own."""
         unfit = {n: f"draining ({d.reason})" for n, d in view.drains.items()}
         now = self.wall()
-        for node_id, runtime in view.runtime.items():
+        for node_id in view.runtime.keys() - set(view.world.ranks):  # only a node out of the world is promoted
+            runtime = view.runtime[node_id]
             health = runtime.health
             verdict = health.verdict if health is not None and health.HasField("verdict") else None
             ok, why = eligible_for_promotion(verdict, now, self.settings.spare_health_max_age_s,
@@ -421,29 +488,40 @@ class Membership:
 
     def _judge(self, view: ClusterView, now: float) -> None:
         detector = self.settings.detector
-        judgement = judge(now, view.liveness, detector, self._last_judged)
+        # Verdicts of nodes heard from lately are reused as they were (detector.judge's ``previous``):
+        # only the silent ones are judged and compared afresh, so a tick is cheap at 10,000 nodes.
+        before_all = view.verdicts
+        judgement = judge(now, view.liveness, detector, self._last_judged, before_all)
         self._last_judged = now
-        states = {n: v.state for n, v in view.verdicts.items()}
+        changed = len(judgement.verdicts) != len(before_all)
         if judgement.stalled:
             self.metrics.stalls.inc()
             log.warning("%s; granting every node %.1fs of grace", judgement.stall_reason, detector.dead_after_s)
             for live in view.liveness.values():
                 live.grace_until = max(live.grace_until, now + detector.dead_after_s)
-        for node_id, verdict in judgement.verdicts.items():
-            before = view.verdicts.get(node_id)
-            if (before is None or before.state is not verdict.state) and not (
-                    before is None and verdict.state is State.ALIVE):
-                node = view.nodes.get(node_id)
-                if node is not None and not node.fenced:
-                    log.info("node %s is %s: %s", node_id, verdict.state.value, verdict.reason)
-        view.verdicts = dict(judgement.verdicts)
-        for node_id, why in list(view.forced_dead.items()):
+        for node_id in list(view.forced_dead):
             node = view.nodes.get(node_id)
             if node is None or node.fenced:
                 del view.forced_dead[node_id]
-            else:
-                view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
-        if {n: v.state for n, v in view.verdicts.items()} != states:
+        forced = view.forced_dead
+        for node_id, verdict in judgement.verdicts.items():
+            before = before_all.get(node_id)
+            if before is verdict or node_id in forced:
+                continue
+            if verdict.state is State.SUSPECT:
+                self._probe(node_id, view.liveness[node_id].last_seen, now)
+            if before is None or before.state is not verdict.state:
+                changed = True
+                if before is not None or verdict.state is not State.ALIVE:
+                    node = view.nodes.get(node_id)
+                    if node is not None and not node.fenced:
+                        log.info("node %s is %s: %s", node_id, verdict.state.value, verdict.reason)
+        view.verdicts = dict(judgement.verdicts)
+        for node_id, why in forced.items():
+            previous = before_all.get(node_id)
+            changed = changed or previous is None or previous.state is not State.DEAD
+            view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
+        if changed:
             self._peers_stale = True  # the alive set may have changed: the buddies are chosen again
 
 

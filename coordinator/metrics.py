@@ -46,6 +46,13 @@ class CoordinatorMetrics:
                                   "Heartbeats received from agents", registry=r)
         self.heartbeat_streams = Gauge("ftd_coordinator_heartbeat_streams",
                                        "Open heartbeat streams", registry=r)
+        self.beacons_accepted = Counter("ftd_coordinator_beacons_accepted_total",
+                                        "Liveness beacons (UDP) accepted: each refreshed a node's liveness", registry=r)
+        self.beacons_dropped = Counter("ftd_coordinator_beacons_dropped_total",
+                                       "Datagrams on the beacon port dropped, by reason (malformed, unknown_key, "
+                                       "wrong_node, bad_mac, replay, not_leader)", ["reason"], registry=r)
+        self.probes = Counter("ftd_coordinator_probes_total",
+                              "Probes pushed on the stream of a beaconing node whose beacons stopped", registry=r)
         self.detection_latency = Histogram(
             "ftd_coordinator_detection_latency_seconds",
             "Time from a node's last heartbeat to it being declared dead",

@@ -49,6 +49,10 @@ class CoordinatorSettings:
     tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
     heartbeat_ack_interval_s: float = setting(
         1.0, "answer an agent's heartbeats at most this often (epoch changes are pushed at once)", "s")
+    beacon_listen: str = setting(
+        "", "UDP HOST:PORT of the leader's liveness beacons (docs/architecture.md#failure-detection-timeline); empty: "
+            "the listen host, a free port; off: no beacons (agents heartbeat on their streams)")
+    beacon_interval_s: float = setting(0.5, "the beacon period agents are told (BeaconTarget.interval_s)", "s")
     domain_label: str = setting(
         "rack", "node label naming the failure domain: spares in the same domain are preferred, buddies (which hold "
                 "a node's memory replicas) are chosen in another")
@@ -176,6 +180,13 @@ class CoordinatorSettings:
                 f"must be in (0, suspect_after_s/2], got {self.tick_s}")
         require(0 < self.heartbeat_ack_interval_s <= self.dead_after_s, "heartbeat_ack_interval_s",
                 f"must be in (0, dead_after_s], got {self.heartbeat_ack_interval_s}")
+        if self.beacon_listen and self.beacon_listen != "off":
+            try:
+                parse_hostport(self.beacon_listen)
+            except ValueError as exc:
+                require(False, "beacon_listen", f"{exc} (or empty, or off)")
+        require(0 < self.beacon_interval_s <= self.suspect_after_s / 2, "beacon_interval_s",
+                f"must be in (0, suspect_after_s/2], got {self.beacon_interval_s}")
         require(self.max_events >= 10, "max_events", f"must be >= 10 (got {self.max_events})")
         require(self.etcd_max_txn_ops >= 32, "etcd_max_txn_ops", f"must be >= 32 (got {self.etcd_max_txn_ops})")
         require(self.spare_health_max_age_s > 0, "spare_health_max_age_s",

@@ -1,0 +1,137 @@
+"""The leader's UDP beacon port: liveness without a gRPC message per heartbeat.
+
+Each heartbeat stream gets a fresh key and key id on its first answer (:class:`BeaconBook`); a beacon
+(:mod:`ftd.beacons`) that names a key the leader gave, the node of that key's stream, verifies under the
+key and carries a seq above the last one accepted refreshes that node's liveness exactly as a stream
+heartbeat does (:func:`admit`, pure). Everything else is dropped and counted by a bounded reason. The
+handler runs on the event loop (no locks: the stream code runs there too) and stays tiny: a decode, a
+dict lookup, one HMAC.
+
+When a beaconing node falls silent the leader asks instead of guessing (:func:`probe_due`): one
+``HeartbeatResponse(probe=true)`` on its stream, which a live agent answers at once on the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+
+from ftd import beacons
+from ftd.v1 import coordinator_pb2
+
+log = logging.getLogger("ftd.coordinator")
+
+DROP_REASONS = ("malformed", "unknown_key", "wrong_node", "bad_mac", "replay", "not_leader")
+RECEIVE_BUFFER_BYTES = 4 << 20  # a burst of ~50k beacons while a tick runs
+
+
+@dataclass(slots=True)
+class BeaconKey:
+    """One stream's key: who it speaks for, and the newest seq accepted under it."""
+
+    node_id: str
+    key_id: int
+    key: bytes
+    seq_seen: int = 0
+
+
+class BeaconBook:
+    """The leader's beacon keys by key id, one per open heartbeat stream. Ids start at a random
+    point, so a beacon for a previous leader's key id finds no key (or one whose MAC it fails)."""
+
+    def __init__(self, port: int, interval_s: float) -> None:
+        self.port = port
+        self.interval_s = interval_s
+        self.keys: dict[int, BeaconKey] = {}
+        self._next = secrets.randbelow(beacons.MAX_KEY_ID + 1)
+
+    def issue(self, node_id: str) -> BeaconKey:
+        while True:
+            self._next = (self._next + 1) & beacons.MAX_KEY_ID
+            if self._next not in self.keys:
+                break
+        entry = BeaconKey(node_id, self._next, beacons.new_key())
+        self.keys[entry.key_id] = entry
+        return entry
+
+    def revoke(self, entry: BeaconKey | None) -> None:
+        if entry is not None and self.keys.get(entry.key_id) is entry:
+            del self.keys[entry.key_id]
+
+    def clear(self) -> None:
+        self.keys.clear()
+
+    def target(self, entry: BeaconKey) -> coordinator_pb2.BeaconTarget:
+        return coordinator_pb2.BeaconTarget(port=self.port, key=entry.key, key_id=entry.key_id,
+                                            interval_s=self.interval_s)
+
+
+def admit(beacon: beacons.Beacon, entry: BeaconKey | None) -> str | None:
+    """Why a decoded beacon is dropped (one of :data:`DROP_REASONS`), or None: it proves its stream's
+    node alive. The caller records ``beacon.seq`` as seen only when it is admitted."""
+    if entry is None:
+        return "unknown_key"
+    if beacon.node_id != entry.node_id:
+        return "wrong_node"
+    if not beacons.verify(beacon, entry.key):
+        return "bad_mac"
+    if beacon.seq <= entry.seq_seen:
+        return "replay"
+    return None
+
+
+def probe_due(now: float, last_seen: float, beaconing: bool, probed_at: float | None,
+              suspect_after_s: float) -> str | None:
+    """Whether to push a probe on a node's stream, with why: it beacons (its stream is quiet by design),
+    its silence passed ``suspect_after_s`` and it was not probed since it was last seen (one probe per
+    silence). A node that does not beacon is judged on its stream heartbeats as always."""
+    if not beaconing:
+        return None
+    silent = now - last_seen
+    if silent < suspect_after_s or (probed_at is not None and probed_at >= last_seen):
+        return None
+    return f"no beacon for {silent:.2f}s (suspect_after_s={suspect_after_s:g}): probing on the stream"
+
+
+class BeaconProtocol(asyncio.DatagramProtocol):
+    """Decodes every datagram and hands beacons to ``on_beacon`` (the membership's), which returns a
+    drop reason or None; counts both."""
+
+    def __init__(self, on_beacon: Callable[[beacons.Beacon], str | None], accepted: Counter,
+                 dropped: Counter) -> None:
+        self.on_beacon = on_beacon
+        self.accepted = accepted
+        self.dropped = {reason: dropped.labels(reason) for reason in DROP_REASONS}
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+        beacon = beacons.decode(data)
+        reason = "malformed" if isinstance(beacon, str) else self.on_beacon(beacon)
+        if reason is None:
+            self.accepted.inc()
+        else:
+            self.dropped[reason].inc()
+
+    def error_received(self, exc: Exception) -> None:  # an ICMP error of some earlier send: nothing to do
+        log.debug("beacon socket: %s", exc)
+
+
+async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[asyncio.DatagramTransport, int]:
+    """Binds the beacon port (``port`` 0: a free one) on the running loop; returns the transport and
+    the bound port."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        sock.bind((host.strip("[]"), port))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(lambda: protocol, sock=sock)
+    return transport, sock.getsockname()[1]

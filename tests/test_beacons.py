@@ -1,0 +1,168 @@
+"""Liveness beacons as pure functions: the wire format (ftd/beacons.py), the leader's admission of one
+beacon and its probe decision (coordinator/beacon_listener.py), the detector's reuse of fresh verdicts,
+and the membership's handling of beacons and probes on the in-memory controller (no sleeping)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from controller_harness import Clock, cluster, make
+
+from ftd import beacons
+from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, admit, probe_due
+from ftd.coordinator.detector import DetectorSettings, Liveness, State, judge
+from ftd.coordinator.store import MemoryStore
+from ftd.v1 import coordinator_pb2
+
+KEY = bytes(range(32))
+
+
+def test_a_beacon_round_trips_and_verifies_only_under_its_key() -> None:
+    data = beacons.encode("node-7", 42, 9, KEY)
+    assert len(data) <= beacons.MAX_DATAGRAM
+    beacon = beacons.decode(data)
+    assert isinstance(beacon, beacons.Beacon)
+    assert (beacon.node_id, beacon.key_id, beacon.seq) == ("node-7", 42, 9)
+    assert beacons.verify(beacon, KEY)
+    assert not beacons.verify(beacon, bytes(32))
+
+
+@pytest.mark.parametrize("mangle", [
+    lambda d: d[:-1],                                   # truncated MAC
+    lambda d: d[:10],                                   # truncated header
+    lambda d: b"",
+    lambda d: bytes([0x00]) + d[1:],                    # another version
+    lambda d: d + b"x",                                 # trailing byte
+    lambda d: d[:13] + bytes([200]) + d[14:],           # node id length beyond the datagram
+    lambda d: b"\xb1" + bytes(400),                     # oversized
+])
+def test_malformed_datagrams_give_a_reason_never_an_exception(mangle: object) -> None:
+    data = beacons.encode("node-7", 1, 1, KEY)
+    out = beacons.decode(mangle(data))  # type: ignore[operator]
+    assert isinstance(out, str) and out
+
+
+def test_random_garbage_never_raises() -> None:
+    rng = random.Random(19)
+    for _ in range(2000):
+        data = bytes(rng.randrange(256) for _ in range(rng.randrange(60)))
+        out = beacons.decode(data)
+        assert isinstance(out, (str, beacons.Beacon))
+
+
+def test_a_tampered_field_fails_the_mac() -> None:
+    data = bytearray(beacons.encode("node-7", 42, 9, KEY))
+    data[12] ^= 1  # the seq's last byte: a forged newer seq
+    beacon = beacons.decode(bytes(data))
+    assert isinstance(beacon, beacons.Beacon) and beacon.seq != 9
+    assert not beacons.verify(beacon, KEY)
+
+
+def test_encode_refuses_what_no_leader_accepts() -> None:
+    with pytest.raises(ValueError):
+        beacons.encode("", 1, 1, KEY)
+    with pytest.raises(ValueError):
+        beacons.encode("n", 1, 0, KEY)
+    with pytest.raises(ValueError):
+        beacons.encode("n", 1, 1, b"short")
+
+
+def _beacon(node: str, key_id: int, seq: int, key: bytes = KEY) -> beacons.Beacon:
+    out = beacons.decode(beacons.encode(node, key_id, seq, key))
+    assert isinstance(out, beacons.Beacon)
+    return out
+
+
+def test_admit_names_why_a_beacon_is_dropped() -> None:
+    entry = BeaconKey("node-1", 5, KEY, seq_seen=10)
+    assert admit(_beacon("node-1", 5, 11), entry) is None
+    assert admit(_beacon("node-1", 5, 11), None) == "unknown_key"
+    assert admit(_beacon("node-2", 5, 11), entry) == "wrong_node"  # another node's stream key
+    assert admit(_beacon("node-1", 5, 11, bytes(32)), entry) == "bad_mac"
+    assert admit(_beacon("node-1", 5, 10), entry) == "replay"  # seen already
+    assert admit(_beacon("node-1", 5, 3), entry) == "replay"
+
+
+def test_the_book_issues_distinct_keys_and_revokes_them() -> None:
+    book = BeaconBook(4000, 0.5)
+    a, b = book.issue("a"), book.issue("a")
+    assert a.key_id != b.key_id and a.key != b.key and len(a.key) == beacons.KEY_BYTES
+    target = book.target(a)
+    assert (target.port, target.key, target.key_id, target.interval_s) == (4000, a.key, a.key_id, 0.5)
+    book.revoke(a)
+    assert a.key_id not in book.keys and b.key_id in book.keys
+
+
+def test_probe_once_per_silence_and_only_for_beaconing_nodes() -> None:
+    assert probe_due(10.0, 9.5, True, None, 1.2) is None  # not silent long enough
+    why = probe_due(10.0, 8.7, True, None, 1.2)
+    assert why is not None and "1.30s" in why
+    assert probe_due(10.0, 8.7, False, None, 1.2) is None  # stream heartbeats: silence speaks for itself
+    assert probe_due(10.5, 8.7, True, 10.0, 1.2) is None  # probed in this silence already
+    assert probe_due(13.0, 11.0, True, 10.0, 1.2) is not None  # answered, then silent again
+
+
+def test_judge_with_previous_verdicts_agrees_with_a_full_judgement() -> None:
+    rng = random.Random(7)
+    settings = DetectorSettings()
+    table = {f"n{i}": Liveness(last_seen=rng.uniform(0, 10), connected=rng.random() < 0.9,
+                               disconnected_at=rng.choice([None, rng.uniform(5, 10)]),
+                               grace_until=rng.choice([0.0, 11.0])) for i in range(500)}
+    previous = judge(9.5, table, settings).verdicts
+    full, fast = judge(10.0, table, settings).verdicts, judge(10.0, table, settings, previous=previous).verdicts
+    assert {n: (v.state, v.reason) for n, v in full.items()} == {n: (v.state, v.reason) for n, v in fast.items()}
+    reused = [n for n in fast if fast[n] is previous[n]]
+    assert reused and all(fast[n].state is State.ALIVE for n in reused)
+
+
+def _hb(node: str, beaconing: bool = True) -> coordinator_pb2.HeartbeatRequest:
+    return coordinator_pb2.HeartbeatRequest(node_id=node, incarnation="i1", seq=1, beaconing=beaconing)
+
+
+def test_membership_beacons_refresh_liveness_and_a_silent_beaconing_node_is_probed() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        membership = ctl.membership
+        membership.beacons = BeaconBook(4000, 0.5)
+        await cluster(ctl, clock)  # a, b active, s spare: streams opened without beacons
+        membership.close_streams(None)
+        stream = membership.open_stream(_hb("a"))
+        first = membership.heartbeat_response(stream)
+        assert first.HasField("beacon") and first.beacon.port == 4000
+        assert not membership.heartbeat_response(stream).HasField("beacon")  # given once per stream
+        key_id, key = first.beacon.key_id, first.beacon.key
+        view = ctl.committer.view
+        assert view is not None
+        for n in ("b", "s"):
+            membership.open_stream(_hb(n))
+        for seq in range(1, 25):  # 2.4 s of beacons from a only
+            clock.advance(0.1)
+            assert membership.on_beacon(_beacon("a", key_id, seq, key)) is None
+            for n in ("b", "s"):
+                membership.on_heartbeat(membership.streams[n], _hb(n))
+            await ctl.tick()
+        assert view.verdicts["a"].state is State.ALIVE
+        assert membership.heartbeat_response(stream).beacon_seq_seen == 24
+        assert membership.on_beacon(_beacon("a", key_id, 24, key)) == "replay"
+        assert membership.on_beacon(_beacon("b", key_id, 25, key)) == "wrong_node"
+        # a's beacons stop: suspect at 1.2 s, one probe pushed on its stream, not two
+        for _ in range(13):
+            clock.advance(0.1)
+            for n in ("b", "s"):
+                membership.on_heartbeat(membership.streams[n], _hb(n))
+            await ctl.tick()
+        assert view.verdicts["a"].state is State.SUSPECT
+        assert stream.probe_pending and ctl.metrics.probes._value.get() == 1
+        assert membership.heartbeat_response(stream).probe
+        await ctl.tick()
+        assert ctl.metrics.probes._value.get() == 1
+        membership.on_heartbeat(stream, _hb("a"))  # the agent answers the probe on the stream
+        await ctl.tick()
+        assert view.verdicts["a"].state is State.ALIVE
+        membership.close_stream(stream)
+        assert membership.on_beacon(_beacon("a", key_id, 99, key)) == "unknown_key"  # revoked with its stream
+
+    asyncio.run(scenario())
