@@ -68,6 +68,9 @@ class Session:
         self.on_reconnect = on_reconnect
         self.on_connected = on_connected
         self.on_response = on_response  # every answer (pending hand-overs ride on them)
+        # The node's memory report for a message (agent.memory_report.MemoryInventory.take): given
+        # ``first`` (a stream's first message: always the whole report), None when unchanged.
+        self.memory: Callable[[bool], coordinator_pb2.MemoryReport | None] = lambda first: None
         self.incarnation = uuid.uuid4().hex
         self.assignment = cluster_pb2.Assignment(rank=-1)
         self._connected = False
@@ -160,7 +163,7 @@ class Session:
             seq += 1
             yield coordinator_pb2.HeartbeatRequest(
                 node_id=self.identity.node_id, incarnation=self.incarnation, known_epoch=self.assignment.epoch,
-                health=self.health(), progress=self.progress(), seq=seq,
+                health=self.health(), progress=self.progress(), seq=seq, memory=self.memory(seq == 1),
             )
             self.on_heartbeat()
             if self._stop.wait(self.interval_s):
