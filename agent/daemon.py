@@ -28,7 +28,7 @@ from ftd.logs import set_identity
 from ftd.storage_backends.memory import default_capacity
 from ftd.storage_backends.tiers import open_tiers
 from ftd.throttle import LogThrottle
-from ftd.v1 import agent_pb2, cluster_pb2
+from ftd.v1 import agent_pb2, cluster_pb2, coordinator_pb2
 
 from . import landing, rtt, tiers_wire
 from .bulk_copy import BulkServer
@@ -471,6 +471,9 @@ class AgentDaemon:
             on_heartbeat=self.metrics.heartbeats.inc, on_reconnect=self.metrics.reconnects.inc,
             on_connected=self._on_connected, on_response=self._on_response,
         )
+        # memory snapshots ride on the heartbeat stream (agent.memory_report); no memory tier: an empty report
+        self.session.memory = self.replicator.inventory.take if self.replicator is not None else \
+            (lambda first: coordinator_pb2.MemoryReport() if first else None)
         set_identity(node=self.node_id)
         if s.train_cmd:
             spec = TrainSpec(

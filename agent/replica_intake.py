@@ -8,8 +8,10 @@ by the keep rule, ``RESOURCE_EXHAUSTED`` naming the sizes, never an OOM; a repli
 drop at once is answered "superseded", not taken), then the files into the memory tier through
 :func:`~ftd.checkpoints.copy.copy_shard` (every file's CRC32C checked as it lands, the manifest
 checked against the announced shard and the files that arrived, published last), then the copy
-recorded by this node itself (``RecordCopy(tier="mem", location=<its own id>)``); on failure the
-catalog is told which older snapshots room-making deleted.
+recorded by this node itself: in its memory inventory (agent.memory_report), announced to the leader on
+the heartbeat stream (``record``: the request as a ``RecordCopy(tier="mem", location=<its own id>)``
+would say it, and the replica's owner); on failure the record is told which older snapshots
+room-making deleted.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from .landing import SLACK, Slot, reclaim
 from .peer_copy import MAX_MANIFEST_BYTES, BulkSource, ChunkSource
 
 log = logging.getLogger("ftd.agent.replicator")
+# Records a replica landed (or a snapshot room-making deleted): the request, and the replica's owner.
+Record = Callable[[checkpoint_pb2.RecordCopyRequest, str], Any]
 
 
 class ReplicationMetrics:
@@ -141,7 +145,7 @@ def _chunks(messages: Iterator[agent_pb2.WriteShardChunk]) -> Iterator[agent_pb2
 
 
 def receive_replica(messages: Iterator[agent_pb2.WriteShardChunk], mem: Tier, node_id: str,
-                    record: Callable[[checkpoint_pb2.RecordCopyRequest], Any],
+                    record: Record,
                     metrics: ReplicationMetrics | None = None,
                     check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
     """Writes a buddy's memory snapshot into this node's memory tier (through
@@ -165,7 +169,7 @@ def receive_replica(messages: Iterator[agent_pb2.WriteShardChunk], mem: Tier, no
 
 
 def receive_pulled(request: agent_pb2.PullReplicaRequest, host: str, mem: Tier, node_id: str,
-                   record: Callable[[checkpoint_pb2.RecordCopyRequest], Any],
+                   record: Record,
                    metrics: ReplicationMetrics | None = None, timeout_s: float = 120.0,
                    check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
     """The bulk path of :func:`receive_replica`: the same header checks (budget, per-rank limit),
@@ -229,6 +233,7 @@ class _Taken:
     prefix: str
     what: str
     deleted: list[int]
+    owner: str = ""  # the node whose rank it is (the header's source, checked by the sender's rule)
     slots: dict[str, Slot] = field(default_factory=dict)
     trash: list[Path] = field(default_factory=list)
     used: list[str] = field(default_factory=list)
@@ -264,7 +269,7 @@ def _admit(h: agent_pb2.WriteShardHeader, mem: Tier, metrics: ReplicationMetrics
         return agent_pb2.WriteShardResponse(message=f"superseded: this node holds newer snapshots {held} of rank "
                                                     f"{rank}")
     what = f"the replica of {job} step {step} rank {rank} from {h.source[:100] or '?'}"
-    taken = _Taken((job, step, rank), shard_prefix(job, step, rank), what, [])
+    taken = _Taken((job, step, rank), shard_prefix(job, step, rank), what, [], h.source)
     if incoming:
         for old in evictions(held, step):
             folder = store.folder_path(shard_prefix(job, old, rank))
@@ -291,8 +296,7 @@ def _admit(h: agent_pb2.WriteShardHeader, mem: Tier, metrics: ReplicationMetrics
     return taken
 
 
-def _land(source: Any, taken: _Taken, mem: Tier, node_id: str,
-          record: Callable[[checkpoint_pb2.RecordCopyRequest], Any]) -> None:
+def _land(source: Any, taken: _Taken, mem: Tier, node_id: str, record: Record) -> None:
     """The copy into the memory tier (a concurrent copy of the same step may win: checked the same
     way), then recorded; on failure the catalog is told what room-making deleted."""
     job, step, rank = taken.ident
@@ -300,7 +304,7 @@ def _land(source: Any, taken: _Taken, mem: Tier, node_id: str,
         copy_shard(source, memory_store(mem), taken.prefix)
     except BaseException as exc:
         for old in taken.deleted:  # the catalog must not keep offering what this node no longer holds
-            _record(record, job, old, rank, mem, node_id, present=False)
+            _record(record, job, old, rank, mem, node_id, taken.owner, present=False)
         if isinstance(exc, CopyMismatch):
             raise CopyCorrupt(str(exc)) from exc
         if isinstance(exc, InvalidKey):
@@ -308,7 +312,8 @@ def _land(source: Any, taken: _Taken, mem: Tier, node_id: str,
         raise
     landed = published_manifest(memory_store(mem), taken.prefix)
     try:
-        _record(record, job, step, rank, mem, node_id, checksum=landed.checksum if landed is not None else "")
+        _record(record, job, step, rank, mem, node_id, taken.owner,
+                checksum=landed.checksum if landed is not None else "")
     except BaseException:  # a replica the catalog does not list is never restored: its room goes back now
         with contextlib.suppress(StorageError, OSError):
             mem.backend.delete_prefix(taken.prefix, marker_name=MANIFEST)
@@ -353,11 +358,11 @@ def memory_store(mem: Tier) -> MemoryTier:
     return store
 
 
-def _record(record: Callable[[checkpoint_pb2.RecordCopyRequest], Any], job: str, step: int, rank: int, mem: Tier,
-            node_id: str, present: bool = True, checksum: str = "") -> None:
+def _record(record: Record, job: str, step: int, rank: int, mem: Tier, node_id: str, owner: str,
+            present: bool = True, checksum: str = "") -> None:
     try:
         record(checkpoint_pb2.RecordCopyRequest(job=job, step=step, rank=rank, tier=mem.name, location=node_id,
-                                                present=present, checksum=checksum))
+                                                present=present, checksum=checksum), owner)
     except (grpc.RpcError, ConnectionError) as exc:
         if present and rpc_code(exc) is grpc.StatusCode.PERMISSION_DENIED:
             raise PeerDenied(f"the catalog refused {job} step {step} rank {rank} (deleted here): "
@@ -368,4 +373,4 @@ def _record(record: Callable[[checkpoint_pb2.RecordCopyRequest], Any], job: str,
         log.warning("could not record the deletion of %s step %d rank %d from memory: %s", job, step, rank, exc)
 
 
-__all__ = ["ReplicationMetrics", "caller_host", "memory_store", "receive_pulled", "receive_replica"]
+__all__ = ["Record", "ReplicationMetrics", "caller_host", "memory_store", "receive_pulled", "receive_replica"]

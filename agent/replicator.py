@@ -29,8 +29,9 @@ its own budget and the per-rank limit first (:class:`~ftd.storage_backends.memor
 ``RESOURCE_EXHAUSTED`` naming the sizes: never an OOM), writes the files into its memory tier with
 :func:`~ftd.checkpoints.copy.copy_shard` (every file's CRC32C checked as it lands — on the bulk
 path against the holder's manifest, on the stream against what the sender read —, the manifest,
-checked against what arrived, published last) and records its copy in the catalog itself
-(``RecordCopy(tier="mem", location=<its own id>)``: a node records only copies at its own location).
+checked against what arrived, published last) and records its copy itself, in its memory inventory
+(agent.memory_report: announced to the leader on its heartbeat stream, no catalog RPC; a node announces
+only copies at its own location).
 Who may pull what: only the node an offer was sent to holds its key and transfer id (single use,
 for a minute), and a node may announce only its own snapshots (``PullReplica``'s ``source`` is
 checked against the caller's certificate); the buddy dials the holder at the address its own
@@ -58,7 +59,8 @@ from ftd.throttle import TokenBucket
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2
 
 from . import bulk_copy
-from .errors import AgentError, CallCancelled, CopyMissing, NodeCannot, NoFastCopy, NoRoom, PeerUnreachable, peer_error
+from .errors import AgentError, CallCancelled, CopyMissing, NoFastCopy, NoRoom, PeerUnreachable, peer_error
+from .memory_report import MemoryInventory
 from .peer_copy import CHUNK_BYTES, serve_shard
 from .peers import Buddy
 from .replica_intake import (
@@ -103,7 +105,8 @@ class Replicator:
         self.node_id = node_id
         self.told_buddy = told_buddy  # the buddy in this node's latest assignment, with its address
         self.open_channel = open_channel
-        self.catalog = catalog  # (method, request) -> response, on the coordinator
+        self.catalog = catalog  # (method, request) -> response, on the coordinator (unused by replicas now)
+        self.inventory = MemoryInventory(self.store, node_id)  # what this node's heartbeat announces
         self.bulk = bulk
         self.node_agent = node_agent  # node id -> its agent's address, from this node's assignment ("" unknown)
         self.metrics = metrics or ReplicationMetrics()
@@ -123,28 +126,28 @@ class Replicator:
                 check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
         """The buddy's side of ``WriteShard`` (:func:`receive_replica`) on this node's memory tier;
         ``check``: the sender's rule (agent.peer_rules, through the service)."""
-        catalog = self.catalog
-        if catalog is None:
-            raise NodeCannot(f"node {self.node_id} cannot record replicas")
-        return receive_replica(messages, self.mem, self.node_id, lambda req: catalog("RecordCopy", req), self.metrics,
-                               check)
+        return receive_replica(messages, self.mem, self.node_id, self.recorded, self.metrics, check)
 
     def receive_pull(self, request: agent_pb2.PullReplicaRequest, caller: str,
                      check: SourceCheck | None = None) -> agent_pb2.WriteShardResponse:
         """The buddy's side of ``PullReplica`` (:func:`receive_pulled`): the holder is dialled at the
         address this node's assignment names for ``request.source``, else at the host the call came
         from (``caller``: gRPC's peer string, ``ipv4:10.0.0.2:53122``)."""
-        catalog = self.catalog
-        if catalog is None:
-            raise NodeCannot(f"node {self.node_id} cannot record replicas")
         if self.bulk is None:
             raise NoFastCopy(f"node {self.node_id} does not use the bulk copy path: push with WriteShard")
         address = self.node_agent(request.source) if self.node_agent is not None else ""
         host = parse_hostport(address)[0] if address else caller_host(caller)
         if not host:
             raise NoFastCopy(f"node {self.node_id} does not know where {request.source[:100]!r} is: use WriteShard")
-        return receive_pulled(request, host, self.mem, self.node_id, lambda req: catalog("RecordCopy", req),
+        return receive_pulled(request, host, self.mem, self.node_id, self.recorded,
                               self.metrics, self.timeout_s, check)
+
+    def recorded(self, request: checkpoint_pb2.RecordCopyRequest, owner: str) -> None:
+        """A replica landed here (or an older one went for it): into the inventory."""
+        if request.present:
+            self.inventory.replica(request.job, request.step, request.rank, owner)
+        else:
+            self.inventory.gone(request.job, request.step, request.rank)
 
     # ---- the queue ---------------------------------------------------------------------------------
 

@@ -369,6 +369,17 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                     context: grpc.ServicerContext) -> checkpoint_pb2.CommitShardResponse:
         if not request.tier:
             request.tier = "ssd"
+        replicator = self.daemon.replicator
+        if request.tier == "mem" and replicator is not None and not request.from_tier:
+            # Soft state: into this node's inventory, announced on the heartbeat stream (agent.memory_report);
+            # answered at once, whether or not a leader is reachable now.
+            if request.location not in ("", self.daemon.node_id):
+                raise errors.BadRequest(f"location: a memory snapshot is recorded on its own node "
+                                        f"{self.daemon.node_id}, not {request.location[:100]!r}")
+            response = replicator.inventory.own(request)
+            m = request.manifest
+            replicator.enqueue(m.job, m.step, m.rank)  # to the buddy, in the background
+            return response
         if not request.location:
             request.location = self.daemon.node_id if request.tier != "s3" else "s3"
         what = f"step {request.manifest.step} (rank {request.manifest.rank}) on {request.tier}"
@@ -399,6 +410,13 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     @answers
     def RecordCopy(self, request: checkpoint_pb2.RecordCopyRequest,
                    context: grpc.ServicerContext) -> checkpoint_pb2.RecordCopyResponse:
+        replicator = self.daemon.replicator
+        if request.tier == "mem" and replicator is not None and request.location in ("", self.daemon.node_id):
+            # this node's own memory copy: the inventory stops announcing it (the heartbeat tells the leader)
+            replicator.inventory.gone(request.job, request.step, request.rank)
+            if not request.corrupt_reason:
+                return checkpoint_pb2.RecordCopyResponse()
+            request.location = self.daemon.node_id  # a corrupt mark is the leader's to keep (its ledger, not etcd)
         if request.tier == "mem":
             self._need_leader(f"memory copy of step {request.step} (rank {request.rank})")
         return self._forward("RecordCopy", request)  # type: ignore[no-any-return]

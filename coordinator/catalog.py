@@ -29,9 +29,10 @@ from ftd.checkpoints.layout import (
     check_step,
 )
 from ftd.identity import Identity
-from ftd.v1 import checkpoint_pb2, cluster_pb2
+from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import errors, paging, rate_limits, shard_rules, validation
+from . import memory_ledger as ledger
 from . import rendezvous as rules_job
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
@@ -77,8 +78,14 @@ def _check(job: str, step: int) -> tuple[str, int]:
 class CatalogKeeper:
     def __init__(self, state: LeaderState, metrics: CoordinatorMetrics,
                  wall: Callable[[], float] = time.time, limiter: rate_limits.WriteLimiter | None = None,
-                 step_slack: int = 1000, unmanaged_jobs: bool = False) -> None:
+                 step_slack: int = 1000, unmanaged_jobs: bool = False, memory_deadline_s: float = 4.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.state = state
+        # Memory snapshots: soft state of the leader (memory_ledger.py), merged in when records are read.
+        self.memory = ledger.MemoryLedger()
+        self.memory_deadline_s = memory_deadline_s
+        self.address = ""  # this replica's address: where a refused restore target is retried (ReportsPending)
+        self.clock = clock
         self.limiter = limiter or rate_limits.WriteLimiter()
         self._series: set[str] = set()  # jobs whose gauges are published
         self.metrics = metrics
@@ -182,6 +189,8 @@ class CatalogKeeper:
         mem = request.tier == "mem"
         self.limiter.check("CommitShard/mem" if mem else "CommitShard", rate_limits.shard_writer(request.location,
                            manifest.rank), rate_limits.MEMORY_TIER_SCALE if mem else 1.0)
+        if mem:
+            return self._commit_memory(request, manifest, caller)
         async with self._lock:
             self._may_commit(caller, manifest)  # before anything is judged, changed or deleted
             records = self._records()
@@ -284,6 +293,103 @@ class CatalogKeeper:
         records = [r for key, r in self._records().items() if key[0] == record.job and key[1] != record.step]
         return rules.prune_memory([*records, record], rank, location)
 
+    # ---- memory snapshots: soft state (memory_ledger.py), never etcd --------------------------------
+
+    def take_report(self, node: str, incarnation: str, report: coordinator_pb2.MemoryReport) -> None:
+        """A node's memory report off its heartbeat stream (membership.on_heartbeat)."""
+        view = self.state.require_leader()
+        for job in view.jobs.values():
+            if self.memory.rounds.get((job.job, job.round)) is not job.members:
+                self.memory.see_round(job)
+        self.memory.take(node, incarnation, report)
+
+    def merged(self, job: str) -> list[rules.CheckpointRecord]:
+        """The job's durable records merged with the memory snapshots of its alive nodes."""
+        view = self.state.require_leader()
+        gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
+        for node in [*self.memory.reports, *self.memory.singles]:
+            if node not in view.nodes or view.state_of(node)[0] in gone:
+                self.memory.forget_node(node)  # its memory tier died (or was fenced off) with it
+        durable = [r for (j, _), r in view.catalog.items() if j == job]
+        return self.memory.records(job, durable, view.rollbacks.get(job),
+                                   lambda epoch, round_: self.held(job, epoch, round_))
+
+    def _merged_step(self, job: str, step: int) -> rules.CheckpointRecord | None:
+        return next((r for r in self.merged(job) if r.step == step), None)
+
+    def readiness(self, job: str) -> ledger.Readiness:
+        """:func:`~.memory_ledger.readiness` for ``job``'s world (its round's members, else every
+        node): a node that heartbeated to this leader has reported (an agent's first message carries
+        its report; one without a memory tier or inventory has nothing to report)."""
+        view = self.state.require_leader()
+        state = view.jobs.get(job)
+        gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
+        world = [n for n in (state.members if state is not None and state.members else view.nodes)
+                 if n in view.nodes and view.state_of(n)[0] not in gone]
+        heard = self.memory.reported() | {n for n in world if (rt := view.runtime.get(n)) is not None
+                                          and rt.last_heartbeat is not None}
+        return ledger.readiness(self.clock(), self.memory.since, self.memory_deadline_s, world, heard)
+
+    def _commit_memory(self, request: checkpoint_pb2.CommitShardRequest, manifest: ShardManifest,
+                       caller: Identity | None) -> checkpoint_pb2.CommitShardResponse:
+        """``CommitShard(tier="mem")`` (compatibility: agents announce on the heartbeat stream): the
+        commit-time checks, then one snapshot into the ledger; nothing goes to etcd."""
+        if request.location in validation.SHARED_LOCATIONS:
+            raise errors.InvalidArgument("location", f"a memory snapshot is on a node, not {request.location!r}")
+        self._may_commit(caller, manifest)
+        restored = request.restored_step if request.HasField("restored_step") else None
+        round_ = request.job_round if request.HasField("job_round") else None
+        self._check_round(manifest, round_)
+        held = self.held(manifest.job, manifest.epoch, round_)
+        if held is not None and manifest.step >= held:
+            raise errors.CatalogConflict(f"rank {manifest.rank} of job {manifest.job}: step {manifest.step} is not "
+                                         f"recorded: the step anomaly at step {held} is being rolled back (every "
+                                         "checkpoint from it on would be suspect)")
+        durable = [r for (j, _), r in self._records().items() if j == manifest.job]
+        gone = {r.step for r in rules.superseded_by(durable, manifest, restored, round_)}
+        before = next((r for r in durable if r.step == manifest.step and r.step not in gone), None)
+        try:  # a rank's bytes contradicting the durable record are refused as a durable commit's would be
+            rules.commit_shard(before, manifest, request.tier, request.location, self.wall(), "", round_)
+        except rules.CatalogError as exc:
+            raise (errors.ShardExists(str(exc)) if exc.exists else errors.CatalogConflict(str(exc))) from exc
+        cadence = validation.clip(validation.one_line(request.cadence), 200)
+        self.memory.add(ledger.snap_of(request.location, manifest, _writer(caller), False, restored, round_, cadence))
+        record = self._merged_step(manifest.job, manifest.step)
+        info = rules.to_info(record) if record is not None else checkpoint_pb2.CheckpointInfo()
+        return checkpoint_pb2.CommitShardResponse(checkpoint=info, message=(
+            f"rank {manifest.rank} memory snapshot recorded on mem@{request.location} (soft state in the leader, "
+            "not written to etcd)"))
+
+    def _record_memory(self, request: checkpoint_pb2.RecordCopyRequest, corrupt: str,
+                       caller: Identity | None) -> checkpoint_pb2.RecordCopyResponse:
+        """``RecordCopy(tier="mem")`` (compatibility): a memory copy recorded, dropped or found
+        corrupt in the ledger; nothing goes to etcd."""
+        job, step, rank, location = request.job, request.step, request.rank, request.location
+        record = self._merged_step(job, step)
+        if record is None:
+            raise errors.CheckpointNotFound(job, step)
+        shard = record.shards.get(rank)
+        if shard is None:
+            raise errors.CheckpointNotFound(job, step, rank)
+        self._may_record(caller, record, request, bool(corrupt))
+        where = rules.CopyRef(rules.MEMORY, location)
+        if corrupt:
+            self.memory.mark_bad(job, step, rank, location, corrupt)
+            log.warning("%s step %d: rank %d copy on %s is corrupt: %s", job, step, rank, where, corrupt)
+        elif request.present:
+            if request.checksum and request.checksum != shard.checksum:
+                raise errors.CatalogConflict(
+                    f"the copy of {job} step {step} rank {rank} on {where} holds other bytes (checksum "
+                    f"{request.checksum[:16]}) than the committed shard (checksum {shard.checksum}): another "
+                    "timeline's, not recorded")
+            self.memory.add(ledger.Snap(location, shard.writer, True, job, step, record.epoch, rank, record.world_size,
+                                        record.format, shard.files, shard.checksum, shard.committed_unix_s, None,
+                                        record.round, record.cadence))
+        else:
+            self.memory.drop(location, job, step, rank)
+        new = self._merged_step(job, step) or record
+        return checkpoint_pb2.RecordCopyResponse(checkpoint=rules.to_info(new))
+
     async def record_copy(self, request: checkpoint_pb2.RecordCopyRequest,
                           caller: Identity | None = None) -> checkpoint_pb2.RecordCopyResponse:
         job, step = _check(request.job, request.step)
@@ -294,6 +400,8 @@ class CatalogKeeper:
         mem = request.tier == "mem"
         self.limiter.check("RecordCopy/mem" if mem else "RecordCopy", rate_limits.shard_writer(request.location,
                            request.rank), rate_limits.MEMORY_TIER_SCALE if mem else 1.0)
+        if mem:
+            return self._record_memory(request, corrupt, caller)
         async with self._lock:
             record = self._get(job, step)
             if request.rank not in record.shards:
@@ -346,6 +454,12 @@ class CatalogKeeper:
         if not reason:
             raise errors.InvalidArgument("reason", "say why the checkpoint is invalid")
         async with self._lock:
+            if (job, step) not in self._records() and (record := self._merged_step(job, step)) is not None:
+                # only in memory: marked in the ledger (soft, as the snapshots are)
+                self.memory.invalid[(job, step)] = reason
+                self.memory.generation += 1
+                log.warning("memory-only checkpoint %s step %d marked invalid: %s", job, step, reason)
+                return rules.to_info(replace(record, invalid_reason=record.invalid_reason or reason))
             record = self._get(job, step)
             if record.invalid_reason:
                 return rules.to_info(record)
@@ -374,8 +488,12 @@ class CatalogKeeper:
         if page.token:
             token_job, token_step = page.token.split("/")
             after = (token_job, int(token_step))
-        keys = sorted(k for k in self._records() if (not job or k[0] == job) and (after is None or k > after))
-        records = self._records()
+        records = dict(self._records())
+        for name in self.memory.jobs() & ({job} if job else self.memory.jobs()):
+            for key in [k for k in records if k[0] == name]:
+                del records[key]  # the merge may leave out an abandoned durable step
+            records.update({(name, r.step): r for r in self.merged(name)})
+        keys = sorted(k for k in records if (not job or k[0] == job) and (after is None or k > after))
         infos, more = paging.take_page((rules.to_info(records[k]) for k in keys), page.size,
                                        checkpoint_pb2.CheckpointInfo.ByteSize)
         token = f"{infos[-1].job}/{infos[-1].step:012d}" if more else ""
@@ -389,9 +507,16 @@ class CatalogKeeper:
         if fmt not in ("", "torch", "dcp"):
             raise errors.InvalidArgument("format", f"must be 'torch', 'dcp' or empty, got {fmt[:40]!r}")
         view = self.state.require_leader()
-        records = [r for (j, _), r in view.catalog.items() if j == job]
+        ready = self.readiness(job)
+        if ready.waiting:
+            raise errors.ReportsPending(job, ready.waiting, ready.left_s, self.address)
+        records = self.merged(job)
         target, why = rules.restore_target(records, view.rollbacks.get(job), world_size, _unreachable(view, records),
                                            replicated, fmt)
+        if ready.late:
+            why += (f"; the memory copies of node(s) {', '.join(ready.late[:10])}"
+                    f"{f' and {len(ready.late) - 10} more' if len(ready.late) > 10 else ''} are not counted: no "
+                    f"memory report within {self.memory_deadline_s:g}s of this leader's election")
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)
         state = view.jobs.get(job)

@@ -84,8 +84,10 @@ class Controller:
                               policy=JobPolicy(settings.job_min_nodes, settings.job_max_restarts,
                                                settings.job_on_no_spare))
         self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter, settings.commit_step_slack,
-                                     settings.unmanaged_jobs)
+                                     settings.unmanaged_jobs, settings.memory_report_deadline_s, clock)
         self.catalog.buddy_of = self.membership.buddy_of
+        self.catalog.address = address
+        self.membership.on_memory = self.catalog.take_report  # memory snapshots: soft state (memory_ledger.py)
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.access = AccessKeeper(self.committer, wall)  # the deny list and the operator's admissions
         self.stragglers = StragglerWatch(self.committer, settings.straggler, self.metrics, self.drains.drain, clock,
@@ -146,6 +148,7 @@ class Controller:
             return
         state.suspended = False
         self.membership.new_term()
+        self.catalog.memory.new_term(self.clock())  # the agents re-announce their memory snapshots
         self.stragglers.new_term()
         self.rollbacks.new_term()
         self.fingerprints.new_term()

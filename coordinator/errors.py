@@ -70,6 +70,19 @@ class NotLeader(CoordinatorError):
         self.leader_address = leader_address
 
 
+class ReportsPending(CoordinatorError):
+    """A new leader has not heard every alive node's memory report yet (memory snapshots are soft
+    state, re-announced after a failover): a restore target now could name an older step than the last
+    leader did. Retryable, for at most ``memory_report_deadline_s`` after the election."""
+
+    def __init__(self, job: str, waiting: tuple[str, ...], left_s: float, leader_address: str = "") -> None:
+        more = f" and {len(waiting) - 10} more" if len(waiting) > 10 else ""
+        super().__init__(f"job {job}: this leader waits for the memory reports of {len(waiting)} node(s) of the "
+                         f"job's world ({', '.join(waiting[:10])}{more}) before it names a restore target; retry "
+                         f"(at most {max(left_s, 0.0):.1f}s more)")
+        self.job, self.waiting, self.leader_address = job, waiting, leader_address
+
+
 class StateUnavailable(CoordinatorError):
     """The state store (etcd) could not be reached, so the change was not made."""
 
@@ -156,6 +169,7 @@ GRPC_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     StaleIncarnation: grpc.StatusCode.FAILED_PRECONDITION,
     NotLeader: grpc.StatusCode.UNAVAILABLE,
     StateUnavailable: grpc.StatusCode.UNAVAILABLE,
+    ReportsPending: grpc.StatusCode.UNAVAILABLE,  # retryable: the agents re-announce within seconds
     StateRejected: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TooMany: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -32,8 +32,8 @@ T = TypeVar("T")
 
 
 async def _abort(context: aio.ServicerContext[Any, Any], exc: errors.CoordinatorError) -> NoReturn:
-    if isinstance(exc, errors.NotLeader):
-        context.set_trailing_metadata(((LEADER_METADATA_KEY, exc.leader_address),))
+    if isinstance(exc, errors.NotLeader) or (isinstance(exc, errors.ReportsPending) and exc.leader_address):
+        context.set_trailing_metadata(((LEADER_METADATA_KEY, exc.leader_address),))  # retry there (ftd.client)
     await context.abort(errors.grpc_code(exc), str(exc))
     raise AssertionError("unreachable")  # context.abort raises
 

@@ -47,6 +47,10 @@ class CoordinatorSettings:
     failover_grace_s: float = setting(
         8.0, "after becoming leader, a node that has not heartbeated to it yet is not judged before this", "s")
     tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
+    memory_report_deadline_s: float = setting(
+        4.0, "after becoming leader, restore targets wait at most this long for every alive node's memory report "
+             "(memory snapshots are soft state, re-announced by the agents); then durable + reported, and it says so",
+        "s")
     heartbeat_ack_interval_s: float = setting(
         1.0, "answer an agent's heartbeats at most this often (epoch changes are pushed at once)", "s")
     beacon_listen: str = setting(
@@ -176,6 +180,8 @@ class CoordinatorSettings:
                 f"must be in (0, dead_after_s], got {self.disconnect_dead_after_s}")
         require(self.stall_after_s > 0, "stall_after_s", f"must be > 0 (got {self.stall_after_s})")
         require(self.failover_grace_s >= 0, "failover_grace_s", f"must be >= 0 (got {self.failover_grace_s})")
+        require(0 <= self.memory_report_deadline_s <= 300, "memory_report_deadline_s",
+                f"must be in [0, 300], got {self.memory_report_deadline_s}")
         require(0 < self.tick_s <= self.suspect_after_s / 2, "tick_s",
                 f"must be in (0, suspect_after_s/2], got {self.tick_s}")
         require(0 < self.heartbeat_ack_interval_s <= self.dead_after_s, "heartbeat_ack_interval_s",

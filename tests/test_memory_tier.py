@@ -306,7 +306,10 @@ def test_a_snapshot_reaches_the_buddys_memory_verified_and_recorded_there(pair: 
     assert a.replicator.last_buddy.node_id == "b"
     held = tmp_path / "b" / "mem" / shard_prefix(JOB, 10, 0)
     assert (held / "state.pt").read_bytes() == payload and (held / MANIFEST).exists()
-    assert catalog.records[10].shards[0].copies == {CopyRef("mem", "a"), CopyRef("mem", "b")}
+    # recorded by b itself, in the memory report its heartbeat announces (soft state: no catalog RPC)
+    report = b.replicator.inventory.report()
+    assert [(s.manifest.step, s.manifest.rank, s.replica, s.owner) for s in report.snapshots] == [(10, 0, True, "a")]
+    assert not [m for m, _ in catalog.calls if m == "RecordCopy"]
     assert a.metrics.replicated_bytes._value.get() >= len(payload)
     assert b.metrics.received._value.get() == 1
 
@@ -331,7 +334,7 @@ def test_the_buddy_refuses_what_its_budget_cannot_hold(pair: tuple[Node, Node, F
     assert a.metrics.failures.labels("refused")._value.get() == 1
     assert b.metrics.refused.labels("replica")._value.get() == 1
     assert store(b.tier).snapshots(JOB, 0) == []
-    assert CopyRef("mem", "b") not in catalog.records[1].shards[0].copies
+    assert not b.replicator.inventory.report().snapshots
 
 
 def test_a_stream_whose_bytes_do_not_match_is_not_published(pair: tuple[Node, Node, FakeCatalog]) -> None:

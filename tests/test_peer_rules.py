@@ -201,11 +201,11 @@ def test_a_replica_refused_by_the_rule_or_the_catalog_leaves_nothing(tmp_path: P
             raise PeerDenied("rank 1 is held by c (rule replica_source)")
 
     with pytest.raises(PeerDenied, match="replica_source"):
-        receive_replica(messages(), mem, "b", lambda req: None, check=rule)
+        receive_replica(messages(), mem, "b", lambda req, owner: None, check=rule)
     assert seen == [(0, False), (2, True)]
     assert not mem.backend.is_published(shard_prefix(JOB, 3, 1), MANIFEST)
 
-    def refuse(req: checkpoint_pb2.RecordCopyRequest) -> None:
+    def refuse(req: checkpoint_pb2.RecordCopyRequest, owner: str) -> None:
         raise Refused()
 
     with pytest.raises(PeerDenied, match="the catalog refused"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from ftd.storage_backends.tiers import LocalSpec, S3Spec, TierSpec
 from ftd.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, cluster_pb2
 
 ENV_SOCKET = "FTD_AGENT_SOCKET"
+RESTORE_TARGET_RETRY_S = 30.0  # a failover plus the new leader's memory_report_deadline_s, with room
 
 
 class AgentUnavailable(ConnectionError):
@@ -111,9 +113,21 @@ class AgentLink:
     def restore_target(self, job: str, replicated: bool = False, world_size: int = 0,
                        fmt: str = "") -> checkpoint_pb2.RestoreTarget:
         """The step to restore for a job of ``world_size`` ranks saving in ``fmt`` (0, "": not said):
-        of that size, or of any size when the job reshards (``dcp``) or is ``replicated``."""
-        return self._call("GetRestoreTarget", checkpoint_pb2.GetRestoreTargetRequest(  # type: ignore[no-any-return]
-            job=job, replicated=replicated, world_size=world_size, format=fmt))
+        of that size, or of any size when the job reshards (``dcp``) or is ``replicated``. UNAVAILABLE
+        (no leader yet, or a new leader still hearing the nodes' memory reports) is retried for up to
+        ``RESTORE_TARGET_RETRY_S``, then raised."""
+        request = checkpoint_pb2.GetRestoreTargetRequest(job=job, replicated=replicated, world_size=world_size,
+                                                         format=fmt)
+        deadline = time.monotonic() + RESTORE_TARGET_RETRY_S
+        pause = 0.1
+        while True:
+            try:
+                return self._call("GetRestoreTarget", request)  # type: ignore[no-any-return]
+            except AgentUnavailable:
+                if time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def report_restored(self, restored: cluster_pb2.Restored) -> None:
         """Best effort, never raises: what this rank restored (the agent keeps it in its progress)."""

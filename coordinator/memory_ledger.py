@@ -1,0 +1,360 @@
+"""Memory snapshots as soft state: the leader's in-memory ledger of every node's memory tier.
+
+A memory snapshot comes every step from every rank; writing each to etcd (and the buddy's copy again)
+made etcd's write rate follow the memory cadence (16,000 ranks every 4 s: ~8,000 transactions a
+second). Instead each agent announces its whole memory tier on its heartbeat stream
+(``HeartbeatRequest.memory``, a :class:`~ftd.v1.coordinator_pb2.MemoryReport`: its own ranks' snapshots
+and the replicas it keeps for its buddy), sent whole on a stream's first message and when it changes.
+The leader keeps the newest report per node here and nothing of it goes to etcd: a new leader learns
+it again from the agents' re-announcements.
+
+Per report only cheap checks run (:func:`parse`, a few µs per snapshot: identifiers, sizes, a copy
+only at the reporting node, an own rank only if the node held it in that round); the rules that used
+to run at commit time run when records are built, on demand (:func:`merge`): abandoned timelines,
+a rollback's removed and held steps, a copy whose checksum disagrees with the rank's, snapshots on
+nodes no longer alive. :func:`readiness` says whether a new leader has heard enough to answer a restore
+target: every alive node of the job's world reported, or ``memory_report_deadline_s`` passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import crc32c
+
+from ftd.checkpoints import catalog as rules
+from ftd.checkpoints.layout import MAX_RANK, FileEntry, ShardManifest, check_job
+from ftd.throttle import LogThrottle
+from ftd.v1 import checkpoint_pb2, coordinator_pb2
+
+from . import shard_rules
+from .rendezvous import JobState
+
+log = logging.getLogger("ftd.coordinator.memory_ledger")
+MAX_SNAPSHOTS = 4096  # per report: a node's ranks and its buddy's, MEM_KEEP each; far above any real node
+MAX_FILES = 100_000  # per snapshot
+FORMATS = ("torch", "dcp")
+
+
+class Snap(NamedTuple):
+    """One memory snapshot as the leader keeps it (a tuple: cheap to make, a few µs per snapshot)."""
+
+    node: str  # where it is: the reporting node (its location on the memory tier)
+    writer: str  # the node whose rank it is (the reporting node for its own ranks, the owner for a replica)
+    replica: bool
+    job: str
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    format: str
+    files: tuple[FileEntry, ...]
+    checksum: str
+    created: float
+    restored: int | None
+    round: int  # -1: not known
+    cadence: str
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def _checksum(files: Iterable[FileEntry]) -> str:
+    """:attr:`ShardManifest.checksum` without building the manifest."""
+    return f"{crc32c.crc32c(''.join(f'{f.name}:{f.size}:{f.crc32c};' for f in files).encode()):08x}"
+
+
+def snap_of(node: str, manifest: ShardManifest, writer: str, replica: bool = False, restored: int | None = None,
+            round_: int | None = None, cadence: str = "") -> Snap:
+    """A snapshot from an already validated manifest (the CommitShard/RecordCopy compatibility path)."""
+    return Snap(node, writer, replica, manifest.job, manifest.step, manifest.epoch, manifest.rank,
+                manifest.world_size, manifest.format, manifest.files, manifest.checksum, manifest.created_unix_s,
+                restored, -1 if round_ is None else round_, cadence)
+
+
+def parse(node: str, m: coordinator_pb2.MemorySnapshot,
+          rounds: Mapping[tuple[str, int], tuple[str, ...]]) -> Snap | str:
+    """One reported snapshot, or why it is not taken (cheap checks only). ``rounds``: (job, round) ->
+    its members by node rank, for the rounds this leader has seen: an own rank is taken only from the
+    node holding it in the snapshot's round (:func:`~.shard_rules.holder`); a round it has not seen
+    (older than this leader) is not judged here."""
+    man = m.manifest
+    try:
+        job = check_job(man.job)
+    except ValueError as exc:
+        return f"manifest.job: {exc}"
+    step, rank, world = man.step, man.rank, man.world_size
+    if step < 0 or not 1 <= world <= MAX_RANK + 1 or not 0 <= rank < world:
+        return f"{job} step {step} rank {rank} of world size {world}: out of range"
+    if man.format not in FORMATS:
+        return f"{job} step {step} rank {rank}: format {man.format[:40]!r}"
+    if not 1 <= len(man.files) <= MAX_FILES:
+        return f"{job} step {step} rank {rank}: {len(man.files)} files"
+    created = man.created_unix_s
+    if not math.isfinite(created) or created < 0:
+        return f"{job} step {step} rank {rank}: created_unix_s {created}"
+    owner = m.owner
+    if m.replica and (not owner or owner == node):
+        return f"{job} step {step} rank {rank}: a replica names its owner, another node (got {owner[:100]!r})"
+    round_ = m.job_round if m.HasField("job_round") else -1
+    members = rounds.get((job, round_))
+    if not m.replica and members is not None:
+        held = shard_rules.holder(JobState(job, members=members), world, rank)
+        if held is not None and held != node:
+            return f"{job} step {step} rank {rank}: held by {held} in round {round_}, not by {node}"
+    files = tuple(FileEntry(f.name, f.size, f.crc32c) for f in man.files)
+    if any(f.size < 0 or len(f.crc32c) != 8 for f in files):
+        return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
+    return Snap(node, owner if m.replica else node, m.replica, job, step, man.epoch, rank, world, man.format, files,
+                _checksum(files), created, m.restored_step if m.HasField("restored_step") else None, round_,
+                m.cadence[:200])
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether a restore target may be answered now: ``waiting`` the alive nodes of the job's world
+    not heard from since this leader took over (empty: ready); ``late`` those given up on once the
+    deadline passed (their memory copies are not counted, and the answer says so)."""
+
+    waiting: tuple[str, ...] = ()
+    late: tuple[str, ...] = ()
+    left_s: float = 0.0
+
+
+def readiness(now: float, since: float, deadline_s: float, world: Iterable[str], reported: Iterable[str]) -> Readiness:
+    """A new leader knows no memory snapshot until the agents re-announce them: answering before
+    would name an older step than the last leader did. It waits for every alive node of the world
+    (``world``), at most ``deadline_s`` after ``since`` (when it became leader)."""
+    heard = set(reported)
+    missing = tuple(sorted(n for n in set(world) if n not in heard))
+    if not missing:
+        return Readiness()
+    left = since + deadline_s - now
+    return Readiness(waiting=missing, left_s=left) if left > 0 else Readiness(late=missing)
+
+
+def _older(epoch: int, round_: int, than: tuple[int, int]) -> bool:
+    """As :func:`~ftd.checkpoints.catalog.superseded_by`: an older epoch, or the same epoch's older round."""
+    return epoch < than[0] or (than[1] >= 0 and epoch == than[0] and 0 <= round_ < than[1])
+
+
+def abandoned_floor(snaps: Sequence[Snap], durable: Sequence[rules.CheckpointRecord]) -> tuple[tuple[int, int], int]:
+    """The newest timeline (epoch, round) among the job's own snapshots and durable records, and the
+    first step it abandons in older timelines: the step after the one it restored, else the oldest
+    step it saved (what :func:`~ftd.checkpoints.catalog.superseded_by` did at each commit)."""
+    newest = max([(s.epoch, s.round) for s in snaps if not s.replica] + [(r.epoch, r.round) for r in durable],
+                 default=(-1, -1))
+    mine = [s for s in snaps if not s.replica and (s.epoch, s.round) == newest]
+    restored = [s.restored for s in mine if s.restored is not None]
+    if restored:
+        return newest, min(restored) + 1
+    steps = [s.step for s in mine] + [r.step for r in durable if (r.epoch, r.round) == newest]
+    return newest, min(steps, default=0)
+
+
+def merge(durable: Sequence[rules.CheckpointRecord], snaps: Sequence[Snap], rollback: rules.Rollback | None = None,
+          held: Callable[[int, int | None], int | None] = lambda epoch, round_: None,
+          invalid: Mapping[int, str] | None = None,
+          bad: Mapping[tuple[int, int], Mapping[str, str]] | None = None) -> list[rules.CheckpointRecord]:
+    """The job's records: the durable ones (etcd) with the memory copies of ``snaps`` (one job's, of
+    alive nodes) added, and records built for steps only in memory. The commit-time rules, at merge
+    time: an older timeline's steps the newest abandons are left out (durable ones too: a newer epoch
+    that only saved to memory so far abandons them as its first commit did); a rollback's removed
+    steps saved before it and ``held`` steps (a step anomaly being rolled back: ``held(epoch, round)``
+    the first step not to count) count no memory copy; a copy whose checksum is not the rank's (the
+    durable shard's, else the owner's own snapshot's) does not count. ``invalid``: memory-only steps
+    marked invalid (step -> why); ``bad``: (step, rank) -> {copy key: why} of memory copies found corrupt."""
+    newest, floor = abandoned_floor(snaps, durable)
+    by_step: dict[int, list[Snap]] = {}
+    for s in snaps:
+        if s.step >= floor and _older(s.epoch, s.round, newest):
+            continue
+        if rollback is not None and s.step > rollback.step and s.created < rollback.at_unix_s:
+            continue
+        stop = held(s.epoch, s.round if s.round >= 0 else None)
+        if stop is not None and s.step >= stop:
+            continue
+        by_step.setdefault(s.step, []).append(s)
+    out = {r.step: r for r in durable if not (r.step >= floor and _older(r.epoch, r.round, newest))}
+    for step, group in by_step.items():
+        record = _with_memory(out.get(step), group, (invalid or {}).get(step, ""), bad or {})
+        if record is not None:
+            out[step] = record
+    return [out[s] for s in sorted(out)]
+
+
+def _with_memory(base: rules.CheckpointRecord | None, group: list[Snap], invalid: str,
+                 bad: Mapping[tuple[int, int], Mapping[str, str]]) -> rules.CheckpointRecord | None:
+    """One step: ``base`` (durable, or None) with the memory copies of ``group`` added (own snapshots
+    define a missing rank before replicas do; the newest timeline's snapshots first)."""
+    group.sort(key=lambda s: (-s.epoch, -s.round, s.replica, s.node))
+    first = group[0]
+    if base is None:
+        base = rules.CheckpointRecord(first.job, first.step, first.epoch, first.world_size, first.format,
+                                      min(s.created for s in group), {}, invalid, first.cadence, first.round)
+    shape = (base.epoch, base.world_size, base.format)
+    shards: dict[int, rules.ShardRecord] = dict(base.shards)
+    extra: dict[int, set[rules.CopyRef]] = {}
+    for s in group:
+        if (s.epoch, s.world_size, s.format) != shape:
+            continue  # another timeline's bytes under this step number
+        shard = shards.get(s.rank)
+        if shard is None:
+            shards[s.rank] = rules.ShardRecord(s.rank, s.bytes, s.checksum, s.files, frozenset(), {}, s.created,
+                                               s.writer)
+        elif shard.checksum != s.checksum:
+            continue  # other bytes than the rank's: the copy does not count
+        extra.setdefault(s.rank, set()).add(rules.CopyRef(rules.MEMORY, s.node))
+    for rank, copies in extra.items():
+        shard = shards[rank]
+        marks = bad.get((base.step, rank))
+        shards[rank] = replace(shard, copies=shard.copies | copies,
+                               bad={**shard.bad, **marks} if marks else shard.bad)
+    if not extra:
+        return None
+    return replace(base, shards=shards, invalid_reason=base.invalid_reason or invalid)
+
+
+@dataclass
+class _Report:
+    incarnation: str
+    version: int
+    snaps: tuple[Snap, ...]
+
+
+@dataclass
+class MemoryLedger:
+    """The leader's memory snapshots: per node its newest report (heartbeat stream) and the single
+    snapshots recorded through the old ``CommitShard``/``RecordCopy(tier="mem")`` RPCs. Lost with the
+    leadership (:meth:`new_term`); never written anywhere."""
+
+    reports: dict[str, _Report] = field(default_factory=dict)
+    singles: dict[str, dict[tuple[str, int, int], Snap]] = field(default_factory=dict)  # node -> (job, step, rank)
+    rounds: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)  # (job, round) -> members
+    invalid: dict[tuple[str, int], str] = field(default_factory=dict)  # memory-only steps marked invalid
+    bad: dict[tuple[str, int, int], dict[str, str]] = field(default_factory=dict)  # (job, step, rank) -> marks
+    since: float = 0.0  # when this leader's term began (monotonic)
+    generation: int = 0  # bumped on every change: what the per-job index is cached against
+    refused: int = 0  # snapshots not taken (cheap checks), this term
+    _index: dict[str, list[Snap]] = field(default_factory=dict)
+    _index_at: int = -1
+    _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
+
+    def new_term(self, now: float) -> None:
+        """A new leadership: nothing is known until the agents re-announce."""
+        self.reports.clear()
+        self.singles.clear()
+        self.rounds.clear()
+        self.invalid.clear()
+        self.bad.clear()
+        self.since, self.refused = now, 0
+        self.generation += 1
+
+    def see_round(self, job: JobState) -> None:
+        """Remembers a round's members (for :func:`parse`'s check of own ranks)."""
+        if job.members and self.rounds.get((job.job, job.round)) != job.members:
+            self.rounds[(job.job, job.round)] = job.members
+            if len(self.rounds) > 4096:  # bounded: the oldest rounds are forgotten (not judged then)
+                for key in list(self.rounds)[:1024]:
+                    del self.rounds[key]
+
+    def take(self, node: str, incarnation: str, report: coordinator_pb2.MemoryReport) -> int:
+        """A node's memory tier as it is now, replacing its previous report (unless an older one of the
+        same stream's agent arrives late). Returns how many snapshots were taken."""
+        old = self.reports.get(node)
+        if old is not None and old.incarnation == incarnation and report.version < old.version:
+            return 0
+        if len(report.snapshots) > MAX_SNAPSHOTS:
+            self._log.log(logging.WARNING, f"too many:{node}", "node %s: a memory report of %d snapshots (at most "
+                          "%d) ignored", node, len(report.snapshots), MAX_SNAPSHOTS)
+            return 0
+        taken: list[Snap] = []
+        for m in report.snapshots:
+            snap = parse(node, m, self.rounds)
+            if isinstance(snap, str):
+                self.refused += 1
+                self._log.log(logging.WARNING, f"refused:{node}", "node %s: memory snapshot not counted: %s", node,
+                              snap)
+            else:
+                taken.append(snap)
+        self.reports[node] = _Report(incarnation, report.version, tuple(taken))
+        self.generation += 1
+        return len(taken)
+
+    def add(self, snap: Snap) -> None:
+        """One snapshot recorded by RPC (compatibility): the node keeps at most MEM_KEEP per rank."""
+        held = self.singles.setdefault(snap.node, {})
+        held[(snap.job, snap.step, snap.rank)] = snap
+        steps = sorted((s for (j, s, r) in held if j == snap.job and r == snap.rank), reverse=True)
+        for gone in steps[rules.MEM_KEEP:]:  # the memory tier's keep rule: the newest MEM_KEEP
+            held.pop((snap.job, gone, snap.rank), None)
+        self.generation += 1
+
+    def drop(self, node: str, job: str, step: int, rank: int) -> None:
+        """A copy deleted (RecordCopy present=False); the node's next report says so too."""
+        held = self.singles.get(node, {})
+        if held.pop((job, step, rank), None) is not None:
+            self.generation += 1
+        report = self.reports.get(node)
+        if report is not None:
+            kept = tuple(s for s in report.snaps if (s.job, s.step, s.rank) != (job, step, rank))
+            if len(kept) != len(report.snaps):
+                report.snaps = kept
+                self.generation += 1
+
+    def mark_bad(self, job: str, step: int, rank: int, node: str, why: str) -> None:
+        self.bad.setdefault((job, step, rank), {})[rules.CopyRef(rules.MEMORY, node).key] = why
+        self.generation += 1
+
+    def forget_node(self, node: str) -> None:
+        """A node no longer alive: its memory tier is gone with it (or fenced off)."""
+        if self.reports.pop(node, None) is not None or self.singles.pop(node, None) is not None:
+            self.generation += 1
+
+    def reported(self) -> set[str]:
+        return set(self.reports)
+
+    def snapshots(self, job: str) -> list[Snap]:
+        """Every known snapshot of ``job`` (cached per :attr:`generation`)."""
+        if self._index_at != self.generation:
+            index: dict[str, list[Snap]] = {}
+            for report in self.reports.values():
+                for s in report.snaps:
+                    index.setdefault(s.job, []).append(s)
+            for held in self.singles.values():
+                for s in held.values():
+                    index.setdefault(s.job, []).append(s)
+            self._index, self._index_at = index, self.generation
+        return self._index.get(job, [])
+
+    def jobs(self) -> set[str]:
+        self.snapshots("")
+        return set(self._index)
+
+    def records(self, job: str, durable: Sequence[rules.CheckpointRecord], rollback: rules.Rollback | None,
+                held: Callable[[int, int | None], int | None]) -> list[rules.CheckpointRecord]:
+        """:func:`merge` of the job's durable records with its memory snapshots."""
+        snaps = self.snapshots(job)
+        if not snaps:
+            return sorted(durable, key=lambda r: r.step)
+        invalid = {s: why for (j, s), why in self.invalid.items() if j == job}
+        bad = {(s, r): marks for (j, s, r), marks in self.bad.items() if j == job}
+        return merge(durable, snaps, rollback, held, invalid, bad)
+
+
+def info_of_snapshot(snap: Snap) -> checkpoint_pb2.CheckpointInfo:
+    """What one snapshot alone says (the agent's immediate answer has the same shape)."""
+    shard = rules.ShardRecord(snap.rank, snap.bytes, snap.checksum, snap.files,
+                              frozenset([rules.CopyRef(rules.MEMORY, snap.node)]), {}, snap.created, snap.writer)
+    return rules.to_info(rules.CheckpointRecord(snap.job, snap.step, snap.epoch, snap.world_size, snap.format,
+                                                snap.created, {snap.rank: shard}, cadence=snap.cadence,
+                                                round=snap.round))
+
+
+__all__ = ["MAX_SNAPSHOTS", "MemoryLedger", "Readiness", "Snap", "abandoned_floor", "info_of_snapshot", "merge",
+           "parse", "readiness", "snap_of"]
