@@ -31,6 +31,7 @@ from ftd.throttle import LogThrottle
 from ftd.v1 import agent_pb2, cluster_pb2, coordinator_pb2
 
 from . import landing, rtt, tiers_wire
+from .beacon_sender import BeaconSender
 from .bulk_copy import BulkServer
 from .handover_relay import Handover, carry_parked
 from .health_measure import GpuSampler
@@ -470,10 +471,14 @@ class AgentDaemon:
             health=self.health, progress=self.progress, on_assignment=self._on_assignment,
             on_heartbeat=self.metrics.heartbeats.inc, on_reconnect=self.metrics.reconnects.inc,
             on_connected=self._on_connected, on_response=self._on_response,
+            beacons=BeaconSender(self.node_id, s.heartbeat_interval_s, s.beacon_port) if s.beacons else None,
+            keepalive_s=s.beacon_keepalive_s, progress_interval_s=s.progress_interval_s,
         )
         # memory snapshots ride on the heartbeat stream (agent.memory_report); no memory tier: an empty report
         self.session.memory = self.replicator.inventory.take if self.replicator is not None else \
             (lambda first: coordinator_pb2.MemoryReport() if first else None)
+        if self.replicator is not None:  # with beacons, a changed report is what makes a stream message due
+            self.session.memory_changed = self.replicator.inventory.changed
         set_identity(node=self.node_id)
         if s.train_cmd:
             spec = TrainSpec(
@@ -492,6 +497,8 @@ class AgentDaemon:
             self.preemption = PreemptionWatcher.from_config(s.preemption, self.handover.on_notice)
             self.preemption.start()
         threading.Thread(target=self.session.run, name="ftd-heartbeat", daemon=True).start()
+        if self.session.beacons is not None:  # its own thread: nothing else can hold a beacon up
+            threading.Thread(target=self.session.beacons.run, name="ftd-beacons", daemon=True).start()
         threading.Thread(target=self.tiering.run, args=(self._stop,), name="ftd-tiering", daemon=True).start()
         if self.guard is not None:
             threading.Thread(target=self.deny.run, args=(self._stop,), name="ftd-deny-list", daemon=True).start()

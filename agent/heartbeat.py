@@ -4,6 +4,8 @@ Reconnects with jittered exponential backoff (tenacity) and follows the leader n
 refusal. Whatever happens to coordinators (restart, failover, etcd outage) the agent keeps trying;
 it never gives up on its own. The latest assignment is kept here and handed to ``on_assignment``.
 Health is not sampled here: ``health`` hands over the sampling thread's latest (agent.health_monitor).
+When the leader offers beacons (``HeartbeatResponse.beacon``) liveness rides on them
+(:mod:`.beacon_sender`) and the stream carries only changes, probe answers and keepalives.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import grpc
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from ftd.client import CoordinatorClient
-from ftd.rpc import rpc_code, rpc_details
+from ftd.rpc import parse_hostport, rpc_code, rpc_details
 from ftd.v1 import cluster_pb2, coordinator_pb2
+
+from .beacon_sender import BeaconSender, StreamPolicy, StreamState, confirm, stream_due
 
 log = logging.getLogger("ftd.agent")
 
@@ -55,6 +59,9 @@ class Session:
         on_reconnect: Callable[[], None] = lambda: None,
         on_connected: Callable[[bool], None] = lambda up: None,
         on_response: Callable[[coordinator_pb2.HeartbeatResponse], None] = lambda r: None,
+        beacons: BeaconSender | None = None,
+        keepalive_s: float = 4.0,
+        progress_interval_s: float = 1.0,
     ) -> None:
         self.client = client
         self.identity = identity
@@ -71,6 +78,14 @@ class Session:
         # The node's memory report for a message (agent.memory_report.MemoryInventory.take): given
         # ``first`` (a stream's first message: always the whole report), None when unchanged.
         self.memory: Callable[[bool], coordinator_pb2.MemoryReport | None] = lambda first: None
+        # Whether the memory report changed since it was last taken (MemoryInventory.changed): with
+        # beacons, a change is what makes a stream message due.
+        self.memory_changed: Callable[[], bool] = lambda: False
+        self.beacons = beacons  # None: beacons off (every beat is a stream message)
+        self.policy = StreamPolicy(interval_s, keepalive_s, progress_interval_s)
+        self._stream = StreamState()
+        self._stream_lock = threading.Lock()
+        self._wake = threading.Event()  # a probe or stop: the request iterator goes on now
         self.incarnation = uuid.uuid4().hex
         self.assignment = cluster_pb2.Assignment(rank=-1)
         self._connected = False
@@ -106,6 +121,9 @@ class Session:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+        if self.beacons is not None:
+            self.beacons.stop()
         call = self._call
         if call is not None:
             call.cancel()
@@ -156,18 +174,32 @@ class Session:
         self._apply(resp.assignment)
 
     def _requests(self) -> Iterator[coordinator_pb2.HeartbeatRequest]:
-        """Every beat carries the latest health: ``health`` returns what its sampling thread last
+        """A message every beat, or with beacons only when :func:`~.beacon_sender.stream_due` says so.
+        Every message carries the latest health: ``health`` returns what its sampling thread last
         measured, judged now, and never waits on a measurement (a hung NVML call must not stop beats)."""
         seq = 0
+        state = self._stream
         while not self._stop.is_set():
-            seq += 1
-            yield coordinator_pb2.HeartbeatRequest(
-                node_id=self.identity.node_id, incarnation=self.incarnation, known_epoch=self.assignment.epoch,
-                health=self.health(), progress=self.progress(), seq=seq, memory=self.memory(seq == 1),
-            )
-            self.on_heartbeat()
-            if self._stop.wait(self.interval_s):
-                return
+            now = time.monotonic()
+            health, progress, epoch = self.health(), self.progress(), self.assignment.epoch
+            verdict = (health.verdict.healthy, health.verdict.reason) if health.HasField("verdict") else None
+            beaconing = self.beacons is not None and self.beacons.aimed
+            with self._stream_lock:
+                due = stream_due(now, beaconing, state, epoch, verdict, progress, self.memory_changed(), self.policy)
+                if due is not None:
+                    if progress is not state.progress:
+                        state.progress_at = now
+                    state.sent_at, state.epoch, state.verdict, state.progress = now, epoch, verdict, progress
+                    state.probed = False
+            if due is not None:
+                seq += 1
+                yield coordinator_pb2.HeartbeatRequest(
+                    node_id=self.identity.node_id, incarnation=self.incarnation, known_epoch=epoch,
+                    health=health, progress=progress, seq=seq, memory=self.memory(seq == 1), beaconing=beaconing,
+                )
+                self.on_heartbeat()
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
 
     def _session(self) -> None:
         if self._stop.is_set():
@@ -175,6 +207,8 @@ class Session:
         if not self._registered:
             self._register()
         self._last_answer = time.monotonic()
+        with self._stream_lock:
+            self._stream = StreamState()  # a new stream: a new key, beacons to be confirmed again
         call = self.client.heartbeat_stream(self._requests())
         self._call = call
         ended = threading.Event()
@@ -189,6 +223,7 @@ class Session:
                     self.on_connected(True)
                     self.leader_address = self.client.current
                     log.info("heartbeating to leader %s at %s", response.leader_id, self.client.current)
+                self._beacon_answer(response)
                 self._apply(response.assignment)
                 self.on_response(response)
                 if response.assignment.fenced:
@@ -200,16 +235,41 @@ class Session:
         finally:
             ended.set()
             self._call = None
+            if self.beacons is not None:
+                self.beacons.disarm()
             if self.connected:
                 self.connected = False
                 self.on_connected(False)
         if not self._stop.is_set():
             raise SessionEnded(f"heartbeat stream to {self.client.current} closed")
 
+    def _beacon_answer(self, response: coordinator_pb2.HeartbeatResponse) -> None:
+        """Aims the beacons at a stream's target; a probe wakes the request iterator at once."""
+        sender = self.beacons
+        if sender is None:
+            return
+        if response.HasField("beacon"):
+            host, _ = parse_hostport(self.client.current)
+            sender.aim(host, response.beacon)
+            log.info("sending liveness beacons to %s UDP %d every %.2fs", host,
+                     sender.port_override or response.beacon.port, sender.interval_s)
+        with self._stream_lock:
+            confirm(self._stream, response, sender.seq)
+        if response.probe:
+            log.info("probed by the leader (its beacons from this node stopped): answering on the stream")
+            self._wake.set()
+
+    def answer_limit(self) -> float:
+        """How long without an answer means the leader is gone: ``timeout_s``, or with confirmed beacons
+        (the stream quiet by design) a keepalive's period more."""
+        state = self._stream
+        quiet = self.beacons is not None and self.beacons.aimed and state.confirmed and not state.probed
+        return self.timeout_s + (self.policy.keepalive_s if quiet else 0.0)
+
     def _watch(self, call: Any, ended: threading.Event) -> None:
         while not ended.wait(min(0.5, self.interval_s)):
             silent = time.monotonic() - self._last_answer
-            if silent > self.timeout_s:
+            if silent > self.answer_limit():
                 log.warning("no answer from %s for %.1fs; reconnecting", self.client.current, silent)
                 call.cancel()
                 return

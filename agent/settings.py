@@ -91,7 +91,16 @@ class AgentSettings:
     hang_timeout_s: float = setting(120.0, "no training step for this long: a hang (0: off)", "s")
     hang_startup_grace_s: float = setting(600.0, "allowance for the first step after a (re)start", "s")
     heartbeat_interval_s: float = setting(0.5, "period of heartbeats to the coordinator", "s")
-    coordinator_timeout_s: float = setting(3.0, "no answer from the leader for this long: reconnect", "s")
+    coordinator_timeout_s: float = setting(3.0, "no answer from the leader for this long: reconnect (with "
+                                                 "confirmed beacons: beacon_keepalive_s longer)", "s")
+    beacons: bool = setting(True, "send liveness beacons (UDP, every heartbeat_interval_s) when the leader offers "
+                                  "them; the stream then carries changes only (docs/architecture.md)")
+    beacon_port: int = setting(0, "UDP port the beacons go to on the leader's host (0: the port the leader names; "
+                                  "set it where that port is mapped to another, e.g. by a Service)", "port")
+    beacon_keepalive_s: float = setting(
+        4.0, "with beacons, a stream message at least this often: its answer tells this agent the leader lives", "s")
+    progress_interval_s: float = setting(
+        1.0, "with beacons, a new training step goes on the stream at most this often", "s")
     reconnect_max_backoff_s: float = setting(1.0, "upper bound of the reconnect backoff", "s")
     health_interval_s: float = setting(2.5, "period of disk/GPU health sampling (on its own thread; heartbeats "
                                             "carry the latest verdict)", "s")
@@ -145,6 +154,11 @@ class AgentSettings:
         require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", f"must be > 0 (got {self.heartbeat_interval_s})")
         require(self.coordinator_timeout_s > self.heartbeat_interval_s, "coordinator_timeout_s",
                 f"must be > heartbeat_interval_s ({self.heartbeat_interval_s}), got {self.coordinator_timeout_s}")
+        require(0 <= self.beacon_port <= 65535, "beacon_port", f"must be in [0, 65535] (got {self.beacon_port})")
+        require(self.heartbeat_interval_s < self.beacon_keepalive_s <= 60, "beacon_keepalive_s",
+                f"must be in (heartbeat_interval_s, 60], got {self.beacon_keepalive_s}")
+        require(self.progress_interval_s >= 0, "progress_interval_s",
+                f"must be >= 0 (got {self.progress_interval_s})")
         require(self.reconnect_max_backoff_s > 0, "reconnect_max_backoff_s",
                 f"must be > 0 (got {self.reconnect_max_backoff_s})")
         require(self.launcher in ("warm", "torchrun"), "launcher", f"must be warm or torchrun, got {self.launcher!r}")

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import threading
 
 import pytest
 from controller_harness import Clock, cluster, make
 
 from ftd import beacons
+from ftd.agent.beacon_sender import BeaconSender, StreamPolicy, StreamState, confirm, stream_due
 from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, admit, probe_due
 from ftd.coordinator.detector import DetectorSettings, Liveness, State, judge
 from ftd.coordinator.store import MemoryStore
@@ -166,3 +169,77 @@ def test_membership_beacons_refresh_liveness_and_a_silent_beaconing_node_is_prob
         assert membership.on_beacon(_beacon("a", key_id, 99, key)) == "unknown_key"  # revoked with its stream
 
     asyncio.run(scenario())
+
+
+# ---- the agent's side ------------------------------------------------------------------------------
+
+POLICY = StreamPolicy(interval_s=0.5, keepalive_s=4.0, progress_interval_s=1.0)
+
+
+def _sent(state: StreamState, now: float, epoch: int = 3, verdict: tuple[bool, str] | None = (True, ""),
+          progress: object = None) -> None:
+    state.sent_at, state.epoch, state.verdict, state.progress, state.progress_at = now, epoch, verdict, progress, now
+
+
+def test_without_beacons_every_beat_is_a_stream_message() -> None:
+    state = StreamState()
+    assert stream_due(0.0, False, state, 3, None, None, False, POLICY) == "first message of the stream"
+    _sent(state, 0.0)
+    assert stream_due(0.5, False, state, 3, (True, ""), None, False, POLICY) == "heartbeat"
+
+
+def test_with_confirmed_beacons_the_stream_carries_changes_and_keepalives_only() -> None:
+    progress, newer = object(), object()
+    state = StreamState(confirmed=True)
+    _sent(state, 10.0, progress=progress)
+
+    def due(now: float, **kw: object) -> str | None:
+        args: dict[str, object] = {"epoch": 3, "verdict": (True, ""), "progress": progress, "memory": False, **kw}
+        return stream_due(now, True, state, args["epoch"], args["verdict"], args["progress"],  # type: ignore[arg-type]
+                          bool(args["memory"]), POLICY)
+
+    assert due(10.5) is None and due(13.9) is None
+    assert due(14.0) == "keepalive"
+    assert due(10.5, epoch=4) == "epoch changed"
+    assert due(10.5, verdict=(False, "disk full")) == "health verdict changed"
+    assert due(10.5, memory=True) == "memory report changed"
+    assert due(10.5, progress=newer) is None  # a new step, but within progress_interval_s of the last
+    assert due(11.0, progress=newer) == "training progress"
+
+
+def test_a_probe_is_answered_at_once_and_the_stream_beats_until_beacons_are_seen_again() -> None:
+    state = StreamState()
+    _sent(state, 0.0)
+    assert stream_due(0.5, True, state, 3, (True, ""), None, False, POLICY) == "beacons not confirmed by the leader yet"
+    confirm(state, coordinator_pb2.HeartbeatResponse(beacon_seq_seen=2), sent_seq=3)
+    assert state.confirmed and stream_due(1.0, True, state, 3, (True, ""), None, False, POLICY) is None
+    confirm(state, coordinator_pb2.HeartbeatResponse(probe=True, beacon_seq_seen=2), sent_seq=9)
+    assert stream_due(1.1, True, state, 3, (True, ""), None, False, POLICY) == "probed by the leader"
+    state.probed = False  # answered
+    confirm(state, coordinator_pb2.HeartbeatResponse(beacon_seq_seen=9), sent_seq=11)
+    assert stream_due(1.6, True, state, 3, (True, ""), None, False, POLICY) == "beacons not confirmed by the leader yet"
+    confirm(state, coordinator_pb2.HeartbeatResponse(beacon_seq_seen=10), sent_seq=12)  # one sent after the probe
+    assert state.confirmed
+
+
+def test_the_sender_beacons_under_the_streams_key_until_disarmed() -> None:
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    receiver.settimeout(5.0)
+    sender = BeaconSender("node-9", interval_s=0.05)
+    thread = threading.Thread(target=sender.run, daemon=True)
+    thread.start()
+    try:
+        sender.aim("127.0.0.1", coordinator_pb2.BeaconTarget(port=receiver.getsockname()[1], key=KEY, key_id=77,
+                                                             interval_s=0.5))
+        got = [beacons.decode(receiver.recvfrom(2048)[0]) for _ in range(3)]
+        assert all(isinstance(b, beacons.Beacon) and beacons.verify(b, KEY) for b in got)
+        assert [b.seq for b in got if isinstance(b, beacons.Beacon)] == [1, 2, 3]
+        assert {b.node_id for b in got if isinstance(b, beacons.Beacon)} == {"node-9"}
+        sender.disarm()
+        assert not sender.aimed
+    finally:
+        sender.stop()
+        thread.join(5)
+        receiver.close()
+    assert not thread.is_alive()

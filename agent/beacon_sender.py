@@ -1,0 +1,155 @@
+"""The agent's side of liveness beacons: a thread that sends them, and the pure rule of when the
+heartbeat stream still needs a message.
+
+The leader gives each stream a key (``BeaconTarget``); from then on this node's liveness rides on UDP
+beacons (:mod:`ftd.beacons`) sent every ``interval_s`` by :class:`BeaconSender`'s own thread (no gRPC
+call, health probe or training report can hold it up), and the stream carries only what changed
+(:func:`stream_due`). A probe from the leader (its beacons stopped arriving) is answered on the stream
+at once, and the stream heartbeats at full rate until an answer's ``beacon_seq_seen`` shows beacons
+arriving again: a blocked UDP path costs stream messages, never a false death.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+
+from ftd import beacons
+from ftd.v1 import coordinator_pb2
+
+log = logging.getLogger("ftd.agent")
+
+
+@dataclass(frozen=True)
+class StreamPolicy:
+    interval_s: float  # the heartbeat period: the stream's rate without beacons, or until they are confirmed
+    keepalive_s: float  # with beacons, a stream message at least this often (its answer: the leader lives)
+    progress_interval_s: float  # with beacons, training progress on the stream at most this often
+
+
+@dataclass
+class StreamState:
+    """What this stream's messages said last, and where its beacons stand (one per stream)."""
+
+    sent_at: float | None = None  # monotonic time of the last message (None: none yet)
+    progress_at: float = -1e18  # of the last message carrying a new progress
+    epoch: int = -1
+    verdict: tuple[bool, str] | None = None
+    progress: object = None  # the Progress object last sent (a new report is a new object)
+    confirmed: bool = False  # the leader has accepted a beacon sent after ``mark``
+    mark: int = 0  # beacon seq the leader's beacon_seq_seen must pass to confirm them
+    probed: bool = False  # a probe waits for its answer
+
+
+def stream_due(now: float, beaconing: bool, state: StreamState, epoch: int, verdict: tuple[bool, str] | None,
+               progress: object, memory_changed: bool, policy: StreamPolicy) -> str | None:
+    """Why the stream needs a message now (None: the beacons say enough). Called every ``interval_s``."""
+    if state.sent_at is None:
+        return "first message of the stream"
+    if not beaconing:
+        return "heartbeat"  # no beacons on this stream: every beat is a stream message
+    if state.probed:
+        return "probed by the leader"
+    if not state.confirmed:
+        return "beacons not confirmed by the leader yet"
+    if epoch != state.epoch:
+        return "epoch changed"
+    if verdict != state.verdict:
+        return "health verdict changed"
+    if memory_changed:
+        return "memory report changed"
+    if progress is not state.progress and now - state.progress_at >= policy.progress_interval_s:
+        return "training progress"
+    if now - state.sent_at >= policy.keepalive_s:
+        return "keepalive"
+    return None
+
+
+def confirm(state: StreamState, response: coordinator_pb2.HeartbeatResponse, sent_seq: int) -> None:
+    """An answer of the leader: a probe (answer on the stream now, and until beacons are seen again)
+    or the newest beacon it accepted (``sent_seq``: the last one this node sent)."""
+    if response.probe:
+        state.probed, state.confirmed, state.mark = True, False, sent_seq
+    elif response.beacon_seq_seen > state.mark:
+        state.confirmed = True
+
+
+class BeaconSender:
+    """Sends this node's beacons to the leader's beacon port from a thread of its own, while a stream
+    has given it a target (:meth:`aim`); :meth:`disarm` when the stream ends (the key dies with it)."""
+
+    def __init__(self, node_id: str, interval_s: float, port_override: int = 0) -> None:
+        self.node_id = node_id
+        self.interval_s = interval_s
+        self.port_override = port_override  # 0: the port the leader names
+        self._lock = threading.Lock()
+        self._target: tuple[str, int, int, bytes] | None = None  # host, port, key_id, key
+        self._period = interval_s
+        self._seq = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.sent = 0
+        self.errors = 0
+
+    def aim(self, host: str, target: coordinator_pb2.BeaconTarget) -> None:
+        """A stream's target: beacons go to ``host`` (where this agent reached the leader) at its port,
+        under its key, seqs from 1."""
+        port = self.port_override or target.port
+        with self._lock:
+            self._target = (host, port, target.key_id, bytes(target.key))
+            self._seq = 0
+            self._period = min(self.interval_s, target.interval_s) if target.interval_s > 0 else self.interval_s
+        self._wake.set()
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._target = None
+
+    @property
+    def aimed(self) -> bool:
+        return self._target is not None
+
+    @property
+    def seq(self) -> int:
+        """The seq of the last beacon sent under the current key (0: none)."""
+        return self._seq
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Blocks until :meth:`stop`: a beacon every period while aimed."""
+        sock: socket.socket | None = None
+        resolved: tuple[tuple[str, int], tuple[object, ...]] | None = None
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    target, period = self._target, self._period
+                    if target is not None:
+                        self._seq += 1
+                        seq = self._seq
+                if target is not None:
+                    host, port, key_id, key = target
+                    try:
+                        if resolved is None or resolved[0] != (host, port):
+                            family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+                            if sock is not None:
+                                sock.close()
+                            sock = socket.socket(family, socket.SOCK_DGRAM)
+                            sock.setblocking(False)
+                            resolved = ((host, port), addr)
+                        assert sock is not None
+                        sock.sendto(beacons.encode(self.node_id, key_id, seq, key), resolved[1])
+                        self.sent += 1
+                    except (OSError, ValueError) as exc:  # unreachable, a full buffer: the probe covers it
+                        self.errors += 1
+                        if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
+                            log.warning("beacon to %s:%d not sent (%d so far): %s", host, port, self.errors, exc)
+                self._wake.wait(period)
+                self._wake.clear()
+        finally:
+            if sock is not None:
+                sock.close()
