@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftd import beacons
@@ -80,8 +81,10 @@ class BeaconSender:
     """Sends this node's beacons to the leader's beacon port from a thread of its own, while a stream
     has given it a target (:meth:`aim`); :meth:`disarm` when the stream ends (the key dies with it)."""
 
-    def __init__(self, node_id: str, interval_s: float, port_override: int = 0) -> None:
+    def __init__(self, node_id: str, interval_s: float, port_override: int = 0,
+                 on_sent: Callable[[], None] = lambda: None) -> None:
         self.node_id = node_id
+        self.on_sent = on_sent
         self.interval_s = interval_s
         self.port_override = port_override  # 0: the port the leader names
         self._lock = threading.Lock()
@@ -144,6 +147,7 @@ class BeaconSender:
                         assert sock is not None
                         sock.sendto(beacons.encode(self.node_id, key_id, seq, key), resolved[1])
                         self.sent += 1
+                        self.on_sent()
                     except (OSError, ValueError) as exc:  # unreachable, a full buffer: the probe covers it
                         self.errors += 1
                         if self.errors in (1, 10, 100) or self.errors % 1000 == 0:

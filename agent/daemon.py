@@ -471,7 +471,8 @@ class AgentDaemon:
             health=self.health, progress=self.progress, on_assignment=self._on_assignment,
             on_heartbeat=self.metrics.heartbeats.inc, on_reconnect=self.metrics.reconnects.inc,
             on_connected=self._on_connected, on_response=self._on_response,
-            beacons=BeaconSender(self.node_id, s.heartbeat_interval_s, s.beacon_port) if s.beacons else None,
+            beacons=BeaconSender(self.node_id, s.heartbeat_interval_s, s.beacon_port, self.metrics.beacons.inc)
+            if s.beacons else None,
             keepalive_s=s.beacon_keepalive_s, progress_interval_s=s.progress_interval_s,
         )
         # memory snapshots ride on the heartbeat stream (agent.memory_report); no memory tier: an empty report

@@ -20,6 +20,8 @@ class AgentMetrics:
         r = self.registry
         self.heartbeats = Counter("ftd_agent_heartbeats_sent_total", "Heartbeats sent to the coordinator",
                                   registry=r)
+        self.beacons = Counter("ftd_agent_beacons_sent_total", "Liveness beacons (UDP) sent to the leader: with "
+                               "them the heartbeat stream carries changes only", registry=r)
         self.connected = Gauge("ftd_agent_connected", "1 while a heartbeat stream to the leader is up", registry=r)
         self.reconnects = Counter("ftd_agent_reconnects_total", "Heartbeat sessions re-established", registry=r)
         self.epoch = Gauge("ftd_agent_epoch", "Epoch of the node's current assignment", registry=r)
