@@ -40,6 +40,7 @@ from .view import ClusterView
 
 log = logging.getLogger("ftd.coordinator.catalog")
 MAX_JOB_SERIES = 16  # jobs with ftd_coordinator_checkpoint_* series: those with the newest valid steps
+_GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)  # a node whose memory copies do not count
 _PAGE_TOKEN = r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,127}/[0-9]{12})?"  # "<job>/<step:012d>" of the last item
 
 
@@ -85,6 +86,11 @@ class CatalogKeeper:
         self.memory = ledger.MemoryLedger()
         self.memory_deadline_s = memory_deadline_s
         self.address = ""  # this replica's address: where a refused restore target is retried (ReportsPending)
+        # Merged records and restore targets are cached until the ledger, the durable records or the
+        # nodes' states change: after a failure every rank asks for the same target at once.
+        self._generation = 0  # bumped with every change of the durable records
+        self._merged: dict[str, tuple[tuple[int, int, int], list[rules.CheckpointRecord]]] = {}
+        self._targets: dict[tuple[object, ...], checkpoint_pb2.RestoreTarget] = {}
         self.clock = clock
         self.limiter = limiter or rate_limits.WriteLimiter()
         self._series: set[str] = set()  # jobs whose gauges are published
@@ -114,6 +120,7 @@ class CatalogKeeper:
         view = self.state.require_leader()
         for record in records:
             view.catalog[(record.job, record.step)] = record
+        self._generation += 1
         self.publish_gauges()
 
     # The records live in the leader's view, loaded from etcd with everything else.
@@ -137,6 +144,7 @@ class CatalogKeeper:
             view.catalog[(record.job, record.step)] = record
         for key in removed:
             view.catalog.pop(key, None)
+        self._generation += 1
 
     def publish_gauges(self) -> None:
         """The newest valid checkpoint per job and the interval between the two newest."""
@@ -201,11 +209,7 @@ class CatalogKeeper:
             restored = request.restored_step if request.HasField("restored_step") else None
             round_ = request.job_round if request.HasField("job_round") else None
             self._check_round(manifest, round_)
-            held = self.held(manifest.job, manifest.epoch, round_)
-            if held is not None and manifest.step >= held:
-                raise errors.CatalogConflict(f"rank {manifest.rank} of job {manifest.job}: step {manifest.step} is not "
-                                             f"recorded: the step anomaly at step {held} is being rolled back (every "
-                                             "checkpoint from it on would be suspect)")
+            self._check_held(manifest, round_)
             abandoned = rules.superseded_by(records.values(), manifest, restored, round_)
             gone = {(r.job, r.step) for r in abandoned}
             before = None if (manifest.job, manifest.step) in gone else records.get((manifest.job, manifest.step))
@@ -275,6 +279,13 @@ class CatalogKeeper:
         if not verdict.allowed:
             raise errors.Forbidden(verdict.rule, verdict.reason)
 
+    def _check_held(self, manifest: ShardManifest, round_: int | None) -> None:
+        held = self.held(manifest.job, manifest.epoch, round_)
+        if held is not None and manifest.step >= held:
+            raise errors.CatalogConflict(f"rank {manifest.rank} of job {manifest.job}: step {manifest.step} is not "
+                                         f"recorded: the step anomaly at step {held} is being rolled back (every "
+                                         "checkpoint from it on would be suspect)")
+
     def _check_round(self, manifest: ShardManifest, round_: int | None) -> None:
         """A shard saved in a round the job has left (a worker of a failed round still writing) is
         refused: its timeline is abandoned, and its commit would mix into the new round's steps."""
@@ -297,22 +308,23 @@ class CatalogKeeper:
 
     def take_report(self, node: str, incarnation: str, report: coordinator_pb2.MemoryReport) -> None:
         """A node's memory report off its heartbeat stream (membership.on_heartbeat)."""
-        view = self.state.require_leader()
-        for job in view.jobs.values():
-            if self.memory.rounds.get((job.job, job.round)) is not job.members:
-                self.memory.see_round(job)
-        self.memory.take(node, incarnation, report)
+        self.memory.take(node, incarnation, report, self.state.require_leader().jobs.values())
 
     def merged(self, job: str) -> list[rules.CheckpointRecord]:
         """The job's durable records merged with the memory snapshots of its alive nodes."""
         view = self.state.require_leader()
-        gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
-        for node in [*self.memory.reports, *self.memory.singles]:
-            if node not in view.nodes or view.state_of(node)[0] in gone:
-                self.memory.forget_node(node)  # its memory tier died (or was fenced off) with it
+        self.memory.forget_gone(lambda n: n in view.nodes and view.state_of(n)[0] not in _GONE)  # its memory died
+        key = (self.memory.generation, self._generation, id(view))
+        cached = self._merged.get(job)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         durable = [r for (j, _), r in view.catalog.items() if j == job]
-        return self.memory.records(job, durable, view.rollbacks.get(job),
-                                   lambda epoch, round_: self.held(job, epoch, round_))
+        merged = self.memory.records(job, durable, view.rollbacks.get(job),
+                                     lambda epoch, round_: self.held(job, epoch, round_))
+        if len(self._merged) >= MAX_JOB_SERIES:
+            self._merged.clear()
+        self._merged[job] = (key, merged)
+        return merged
 
     def _merged_step(self, job: str, step: int) -> rules.CheckpointRecord | None:
         return next((r for r in self.merged(job) if r.step == step), None)
@@ -323,9 +335,8 @@ class CatalogKeeper:
         its report; one without a memory tier or inventory has nothing to report)."""
         view = self.state.require_leader()
         state = view.jobs.get(job)
-        gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
         world = [n for n in (state.members if state is not None and state.members else view.nodes)
-                 if n in view.nodes and view.state_of(n)[0] not in gone]
+                 if n in view.nodes and view.state_of(n)[0] not in _GONE]
         heard = self.memory.reported() | {n for n in world if (rt := view.runtime.get(n)) is not None
                                           and rt.last_heartbeat is not None}
         return ledger.readiness(self.clock(), self.memory.since, self.memory_deadline_s, world, heard)
@@ -340,11 +351,7 @@ class CatalogKeeper:
         restored = request.restored_step if request.HasField("restored_step") else None
         round_ = request.job_round if request.HasField("job_round") else None
         self._check_round(manifest, round_)
-        held = self.held(manifest.job, manifest.epoch, round_)
-        if held is not None and manifest.step >= held:
-            raise errors.CatalogConflict(f"rank {manifest.rank} of job {manifest.job}: step {manifest.step} is not "
-                                         f"recorded: the step anomaly at step {held} is being rolled back (every "
-                                         "checkpoint from it on would be suspect)")
+        self._check_held(manifest, round_)
         durable = [r for (j, _), r in self._records().items() if j == manifest.job]
         gone = {r.step for r in rules.superseded_by(durable, manifest, restored, round_)}
         before = next((r for r in durable if r.step == manifest.step and r.step not in gone), None)
@@ -511,12 +518,23 @@ class CatalogKeeper:
         if ready.waiting:
             raise errors.ReportsPending(job, ready.waiting, ready.left_s, self.address)
         records = self.merged(job)
+        state = view.jobs.get(job)
+        gone = frozenset(n for n in view.nodes if view.state_of(n)[0] in _GONE)
+        key = (job, world_size, replicated, fmt, self._merged[job][0] if job in self._merged else None, gone,
+               len(view.nodes), ready.late, view.rollbacks.get(job), state.skip_until if state is not None else -1)
+        answer = self._targets.get(key)
+        if answer is None:
+            answer = self._restore_target(view, records, job, world_size, replicated, fmt, ready)
+            if len(self._targets) >= 64:
+                self._targets.clear()
+            self._targets[key] = answer
+        return answer
+
+    def _restore_target(self, view: ClusterView, records: Sequence[rules.CheckpointRecord], job: str, world_size: int,
+                        replicated: bool, fmt: str, ready: ledger.Readiness) -> checkpoint_pb2.RestoreTarget:
         target, why = rules.restore_target(records, view.rollbacks.get(job), world_size, _unreachable(view, records),
                                            replicated, fmt)
-        if ready.late:
-            why += (f"; the memory copies of node(s) {', '.join(ready.late[:10])}"
-                    f"{f' and {len(ready.late) - 10} more' if len(ready.late) > 10 else ''} are not counted: no "
-                    f"memory report within {self.memory_deadline_s:g}s of this leader's election")
+        why += ledger.late_reason(ready.late, self.memory_deadline_s)
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)
         state = view.jobs.get(job)

@@ -29,7 +29,7 @@ import crc32c
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.layout import MAX_RANK, FileEntry, ShardManifest, check_job
 from ftd.throttle import LogThrottle
-from ftd.v1 import checkpoint_pb2, coordinator_pb2
+from ftd.v1 import coordinator_pb2
 
 from . import shard_rules
 from .rendezvous import JobState
@@ -147,7 +147,7 @@ def abandoned_floor(snaps: Sequence[Snap], durable: Sequence[rules.CheckpointRec
     """The newest timeline (epoch, round) among the job's own snapshots and durable records, and the
     first step it abandons in older timelines: the step after the one it restored, else the oldest
     step it saved (what :func:`~ftd.checkpoints.catalog.superseded_by` did at each commit)."""
-    newest = max([(s.epoch, s.round) for s in snaps if not s.replica] + [(r.epoch, r.round) for r in durable],
+    newest = max({(s.epoch, s.round) for s in snaps if not s.replica} | {(r.epoch, r.round) for r in durable},
                  default=(-1, -1))
     mine = [s for s in snaps if not s.replica and (s.epoch, s.round) == newest]
     restored = [s.restored for s in mine if s.restored is not None]
@@ -171,15 +171,23 @@ def merge(durable: Sequence[rules.CheckpointRecord], snaps: Sequence[Snap], roll
     marked invalid (step -> why); ``bad``: (step, rank) -> {copy key: why} of memory copies found corrupt."""
     newest, floor = abandoned_floor(snaps, durable)
     by_step: dict[int, list[Snap]] = {}
+    stops: dict[tuple[int, int], int | None] = {}  # (epoch, round) -> held's first step not to count
     for s in snaps:
         if s.step >= floor and _older(s.epoch, s.round, newest):
             continue
         if rollback is not None and s.step > rollback.step and s.created < rollback.at_unix_s:
             continue
-        stop = held(s.epoch, s.round if s.round >= 0 else None)
+        timeline = (s.epoch, s.round)
+        if timeline not in stops:
+            stops[timeline] = held(s.epoch, s.round if s.round >= 0 else None)
+        stop = stops[timeline]
         if stop is not None and s.step >= stop:
             continue
-        by_step.setdefault(s.step, []).append(s)
+        group = by_step.get(s.step)
+        if group is None:
+            by_step[s.step] = [s]
+        else:
+            group.append(s)
     out = {r.step: r for r in durable if not (r.step >= floor and _older(r.epoch, r.round, newest))}
     for step, group in by_step.items():
         record = _with_memory(out.get(step), group, (invalid or {}).get(step, ""), bad or {})
@@ -190,33 +198,41 @@ def merge(durable: Sequence[rules.CheckpointRecord], snaps: Sequence[Snap], roll
 
 def _with_memory(base: rules.CheckpointRecord | None, group: list[Snap], invalid: str,
                  bad: Mapping[tuple[int, int], Mapping[str, str]]) -> rules.CheckpointRecord | None:
-    """One step: ``base`` (durable, or None) with the memory copies of ``group`` added (own snapshots
-    define a missing rank before replicas do; the newest timeline's snapshots first)."""
-    group.sort(key=lambda s: (-s.epoch, -s.round, s.replica, s.node))
-    first = group[0]
+    """One step: ``base`` (durable, or None) with the memory copies of ``group`` added (the newest
+    timeline's shape; own snapshots define a missing rank before replicas do). Built in two passes
+    without sorting: 16,000 ranks and their replicas take a fraction of a second."""
     if base is None:
+        first = max(group, key=lambda s: (s.epoch, s.round, not s.replica))
         base = rules.CheckpointRecord(first.job, first.step, first.epoch, first.world_size, first.format,
                                       min(s.created for s in group), {}, invalid, first.cadence, first.round)
     shape = (base.epoch, base.world_size, base.format)
-    shards: dict[int, rules.ShardRecord] = dict(base.shards)
-    extra: dict[int, set[rules.CopyRef]] = {}
-    for s in group:
-        if (s.epoch, s.world_size, s.format) != shape:
-            continue  # another timeline's bytes under this step number
-        shard = shards.get(s.rank)
-        if shard is None:
-            shards[s.rank] = rules.ShardRecord(s.rank, s.bytes, s.checksum, s.files, frozenset(), {}, s.created,
-                                               s.writer)
-        elif shard.checksum != s.checksum:
-            continue  # other bytes than the rank's: the copy does not count
-        extra.setdefault(s.rank, set()).add(rules.CopyRef(rules.MEMORY, s.node))
-    for rank, copies in extra.items():
-        shard = shards[rank]
-        marks = bad.get((base.step, rank))
-        shards[rank] = replace(shard, copies=shard.copies | copies,
-                               bad={**shard.bad, **marks} if marks else shard.bad)
-    if not extra:
+    durable = base.shards
+    defined: dict[int, Snap] = {}  # ranks the durable record lacks: the snapshot that defines each
+    copies: dict[int, set[rules.CopyRef]] = {}
+    for replicas in (False, True):
+        for s in group:
+            if s.replica is not replicas or (s.epoch, s.world_size, s.format) != shape:
+                continue  # the other pass's, or another timeline's bytes under this step number
+            shard = durable.get(s.rank)
+            checksum = shard.checksum if shard is not None else defined.setdefault(s.rank, s).checksum
+            if s.checksum != checksum:
+                continue  # other bytes than the rank's: the copy does not count
+            copies.setdefault(s.rank, set()).add(rules.CopyRef(rules.MEMORY, s.node))
+    if not copies:
         return None
+    shards = dict(durable)
+    step = base.step
+    for rank, mem in copies.items():
+        marks = bad.get((step, rank))
+        shard = durable.get(rank)
+        if shard is None:
+            d = defined[rank]
+            shards[rank] = rules.ShardRecord(rank, d.bytes, d.checksum, d.files, frozenset(mem),
+                                             dict(marks) if marks else {}, d.created, d.writer)
+        else:
+            shards[rank] = rules.ShardRecord(rank, shard.bytes, shard.checksum, shard.files, shard.copies | mem,
+                                             {**shard.bad, **marks} if marks else shard.bad, shard.committed_unix_s,
+                                             shard.writer)
     return replace(base, shards=shards, invalid_reason=base.invalid_reason or invalid)
 
 
@@ -263,9 +279,14 @@ class MemoryLedger:
                 for key in list(self.rounds)[:1024]:
                     del self.rounds[key]
 
-    def take(self, node: str, incarnation: str, report: coordinator_pb2.MemoryReport) -> int:
+    def take(self, node: str, incarnation: str, report: coordinator_pb2.MemoryReport,
+             jobs: Iterable[JobState] = ()) -> int:
         """A node's memory tier as it is now, replacing its previous report (unless an older one of the
-        same stream's agent arrives late). Returns how many snapshots were taken."""
+        same stream's agent arrives late). ``jobs``: the current rounds (remembered for :func:`parse`).
+        Returns how many snapshots were taken."""
+        for job in jobs:
+            if self.rounds.get((job.job, job.round)) is not job.members:
+                self.see_round(job)
         old = self.reports.get(node)
         if old is not None and old.incarnation == incarnation and report.version < old.version:
             return 0
@@ -316,6 +337,11 @@ class MemoryLedger:
         if self.reports.pop(node, None) is not None or self.singles.pop(node, None) is not None:
             self.generation += 1
 
+    def forget_gone(self, alive: Callable[[str], bool]) -> None:
+        """Drops the reports of the nodes no longer ``alive`` (dead, fenced, unknown)."""
+        for node in [n for n in (*self.reports, *self.singles) if not alive(n)]:
+            self.forget_node(node)
+
     def reported(self) -> set[str]:
         return set(self.reports)
 
@@ -347,14 +373,14 @@ class MemoryLedger:
         return merge(durable, snaps, rollback, held, invalid, bad)
 
 
-def info_of_snapshot(snap: Snap) -> checkpoint_pb2.CheckpointInfo:
-    """What one snapshot alone says (the agent's immediate answer has the same shape)."""
-    shard = rules.ShardRecord(snap.rank, snap.bytes, snap.checksum, snap.files,
-                              frozenset([rules.CopyRef(rules.MEMORY, snap.node)]), {}, snap.created, snap.writer)
-    return rules.to_info(rules.CheckpointRecord(snap.job, snap.step, snap.epoch, snap.world_size, snap.format,
-                                                snap.created, {snap.rank: shard}, cadence=snap.cadence,
-                                                round=snap.round))
+def late_reason(late: Sequence[str], deadline_s: float) -> str:
+    """What a restore target answered after the deadline adds: whose memory copies were not counted."""
+    if not late:
+        return ""
+    more = f" and {len(late) - 10} more" if len(late) > 10 else ""
+    return (f"; the memory copies of node(s) {', '.join(late[:10])}{more} are not counted: no memory report within "
+            f"{deadline_s:g}s of this leader's election")
 
 
-__all__ = ["MAX_SNAPSHOTS", "MemoryLedger", "Readiness", "Snap", "abandoned_floor", "info_of_snapshot", "merge",
-           "parse", "readiness", "snap_of"]
+__all__ = ["MAX_SNAPSHOTS", "MemoryLedger", "Readiness", "Snap", "abandoned_floor", "late_reason",
+           "merge", "parse", "readiness", "snap_of"]

@@ -1,0 +1,253 @@
+"""Memory snapshots as soft state in the leader (coordinator/memory_ledger.py): the cheap checks per
+reported snapshot, the commit-time rules applied when records are merged, the readiness of a new
+leader, and the catalog's answers built from them (in process, on the controller harness's fake clock)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from controller_harness import Clock, cluster, make, run, step
+
+from ftd.agent.memory_report import manifest_proto
+from ftd.checkpoints import catalog as rules
+from ftd.checkpoints.layout import FileEntry, ShardManifest
+from ftd.coordinator import errors
+from ftd.coordinator import memory_ledger as ledger
+from ftd.coordinator.store import MemoryStore
+from ftd.v1 import checkpoint_pb2, coordinator_pb2
+
+JOB = "llm"
+
+
+def man(step: int, rank: int, world: int = 2, epoch: int = 1, crc: str = "0a0b0c0d") -> ShardManifest:
+    return ShardManifest(JOB, step, epoch, rank, world, "torch", (FileEntry("state.pt", 100, crc),), 50.0 + step)
+
+
+def snap(step: int, rank: int, world: int = 2, epoch: int = 1, crc: str = "0a0b0c0d", owner: str = "",
+         restored: int | None = None, round_: int | None = None) -> coordinator_pb2.MemorySnapshot:
+    m = coordinator_pb2.MemorySnapshot(manifest=manifest_proto(man(step, rank, world, epoch, crc)),
+                                       replica=bool(owner), owner=owner)
+    if restored is not None:
+        m.restored_step = restored
+    if round_ is not None:
+        m.job_round = round_
+    return m
+
+
+def report(*snaps: coordinator_pb2.MemorySnapshot, version: int = 1) -> coordinator_pb2.MemoryReport:
+    return coordinator_pb2.MemoryReport(snapshots=list(snaps), version=version)
+
+
+def taken(node: str, m: coordinator_pb2.MemorySnapshot) -> ledger.Snap:
+    got = ledger.parse(node, m, {})
+    assert isinstance(got, ledger.Snap), got
+    return got
+
+
+def pair(step: int, **kw: object) -> list[ledger.Snap]:
+    """Step ``step`` of a 2-rank world: a holds rank 0 and b's replica, b rank 1 and a's replica."""
+    return [taken("a", snap(step, 0, **kw)), taken("a", snap(step, 1, owner="b", **kw)),  # type: ignore[arg-type]
+            taken("b", snap(step, 1, **kw)), taken("b", snap(step, 0, owner="a", **kw))]  # type: ignore[arg-type]
+
+
+# ---- the cheap checks ----------------------------------------------------------------------------------------
+
+
+def test_a_reported_snapshot_is_taken_as_its_shard_with_the_manifests_checksum() -> None:
+    s = taken("a", snap(7, 1, owner="b", restored=3, round_=2))
+    assert (s.node, s.writer, s.replica, s.step, s.rank, s.restored, s.round) == ("a", "b", True, 7, 1, 3, 2)
+    assert s.checksum == man(7, 1).checksum and s.bytes == 100
+
+
+@pytest.mark.parametrize("bad, why", [
+    (snap(1, 2, world=2), "out of range"),
+    (snap(1, 0, owner="a"), "names its owner"),
+    (coordinator_pb2.MemorySnapshot(replica=True, manifest=manifest_proto(man(1, 0))), "names its owner"),
+    (coordinator_pb2.MemorySnapshot(manifest=checkpoint_pb2.ShardManifest(job="../x", world_size=1)), "job"),
+    (coordinator_pb2.MemorySnapshot(manifest=checkpoint_pb2.ShardManifest(job="j", world_size=1, format="pickle")),
+     "format"),
+    (coordinator_pb2.MemorySnapshot(manifest=checkpoint_pb2.ShardManifest(job="j", world_size=1, format="torch")),
+     "0 files"),
+])
+def test_cheap_checks_refuse_what_no_node_could_hold(bad: coordinator_pb2.MemorySnapshot, why: str) -> None:
+    got = ledger.parse("a", bad, {})
+    assert isinstance(got, str) and why in got
+
+
+def test_an_own_rank_is_taken_only_from_the_node_holding_it_in_that_round() -> None:
+    rounds = {(JOB, 4): ("a", "b")}  # 2 ranks, one per node: rank 1 is b's in round 4
+    refused = ledger.parse("a", snap(9, 1, round_=4), rounds)
+    assert isinstance(refused, str) and "held by b in round 4" in refused
+    assert isinstance(ledger.parse("b", snap(9, 1, round_=4), rounds), ledger.Snap)
+    assert isinstance(ledger.parse("a", snap(9, 1, round_=3), rounds), ledger.Snap)  # a round not seen: not judged
+
+
+def test_a_late_report_of_the_same_agent_is_ignored_a_new_incarnations_replaces() -> None:
+    book = ledger.MemoryLedger()
+    assert book.take("a", "i1", report(snap(5, 0), version=3)) == 1
+    assert book.take("a", "i1", report(snap(4, 0), version=2)) == 0  # older: out of order
+    assert [s.step for s in book.snapshots(JOB)] == [5]
+    assert book.take("a", "i2", report(snap(1, 0), version=1)) == 1  # restarted agent: counts from 1 again
+    assert [s.step for s in book.snapshots(JOB)] == [1]
+    book.take("b", "i1", report(snap(1, 0, owner="x"), snap(1, 1, world=1)))
+    assert book.refused == 1 and {s.node for s in book.snapshots(JOB)} == {"a", "b"}
+
+
+# ---- merge: the commit-time rules at read time ------------------------------------------------------------------
+
+
+def test_a_memory_only_step_is_valid_and_in_memory_once_every_rank_and_replica_reported() -> None:
+    [record] = ledger.merge([], pair(12))
+    assert record.valid and record.on_tier("mem") and record.shards[1].writer == "b"
+    assert record.shards[0].copies == {rules.CopyRef("mem", "a"), rules.CopyRef("mem", "b")}
+    [half] = ledger.merge([], pair(12)[:2])  # a's copies only: valid, on one node's memory
+    assert half.valid and not half.on_tier("mem")
+
+
+def test_memory_copies_join_the_durable_record_and_a_copy_with_other_bytes_does_not_count() -> None:
+    durable, _ = rules.commit_shard(None, man(12, 0), "ssd", "a", 1.0)
+    durable, _ = rules.commit_shard(durable, man(12, 1), "ssd", "b", 1.0)
+    forged = taken("b", snap(12, 0, owner="a", crc="deadbeef"))
+    [record] = ledger.merge([durable], [*pair(12)[:3], forged])
+    assert record.shards[0].copies == {rules.CopyRef("ssd", "a"), rules.CopyRef("mem", "a")}
+    assert rules.CopyRef("mem", "b") in record.shards[1].copies and record.on_tier("ssd")
+    # the replica alone (its owner's report gone with its node) still defines the rank
+    [alone] = ledger.merge([], [taken("b", snap(12, 1)), taken("b", snap(12, 0, owner="a"))])
+    assert alone.valid and alone.shards[0].writer == "a"
+
+
+def test_an_abandoned_timelines_steps_are_not_restorable_memory_or_durable() -> None:
+    old_durable, _ = rules.commit_shard(None, man(20, 0, world=1, epoch=1), "ssd", "a", 1.0)
+    kept, _ = rules.commit_shard(None, man(10, 0, world=1, epoch=1), "ssd", "a", 1.0)
+    old_mem = taken("a", snap(22, 0, world=1, epoch=1))
+    new = taken("b", snap(12, 0, world=1, epoch=2, restored=10))  # the new world restored step 10
+    records = ledger.merge([kept, old_durable], [old_mem, new])
+    assert [r.step for r in records] == [10, 12]
+    target, _ = rules.restore_target(records)
+    assert target is not None and target.step == 12 and target.epoch == 2
+
+
+def test_a_rollbacks_removed_steps_and_held_steps_count_no_memory_copy() -> None:
+    rb = rules.Rollback(JOB, 10, at_unix_s=100.0, superseded=(11, 12))
+    before = pair(12)  # created at 62 s: before the rollback
+    assert ledger.merge([], before, rollback=rb) == []
+    after = [s._replace(created=200.0) for s in before]  # saved again after it
+    assert [r.step for r in ledger.merge([], after, rollback=rb)] == [12]
+    assert ledger.merge([], after, held=lambda epoch, round_: 12) == []
+    assert [r.step for r in ledger.merge([], after, held=lambda epoch, round_: 13)] == [12]
+
+
+def test_readiness_waits_for_every_alive_node_until_the_deadline() -> None:
+    assert ledger.readiness(100.0, 99.0, 4.0, ["a", "b"], ["a"]) == ledger.Readiness(waiting=("b",), left_s=3.0)
+    assert ledger.readiness(104.0, 99.0, 4.0, ["a", "b"], ["a"]) == ledger.Readiness(late=("b",))
+    assert ledger.readiness(100.0, 99.0, 4.0, ["a", "b"], ["b", "a"]) == ledger.Readiness()
+
+
+def test_the_restore_target_of_16000_ranks_is_built_in_well_under_a_second() -> None:
+    """2,000 nodes x 8 ranks, each node's own ranks and its buddy's, two snapshots each: 64,000."""
+    nodes, per, world = 2000, 8, 16000
+    book = ledger.MemoryLedger()
+    began = time.perf_counter()
+    for n in range(nodes):
+        buddy = (n + 1) % nodes
+        snaps = [snap(s, n * per + r, world=world) for s in (40, 41) for r in range(per)]
+        snaps += [snap(s, buddy * per + r, world=world, owner=f"n{buddy}") for s in (40, 41) for r in range(per)]
+        book.take(f"n{n}", "i", report(*snaps))
+    per_snapshot_us = (time.perf_counter() - began) / (nodes * 4 * per) * 1e6
+    began = time.perf_counter()
+    records = book.records(JOB, [], None, lambda e, r: None)
+    target, _ = rules.restore_target(records, world_size=world)
+    info = rules.to_info(target) if target is not None else None
+    took = time.perf_counter() - began
+    assert target is not None and target.step == 41 and target.on_tier("mem") and info is not None
+    print(f"ingest {per_snapshot_us:.1f} us/snapshot (with building the test's protos); "
+          f"restore target of {world} ranks {took:.2f}s")
+    assert took < 2.0, f"restore target of {world} ranks took {took:.2f}s"
+
+
+# ---- the catalog's answers on a leader (the controller harness) ------------------------------------------------
+
+
+def test_a_new_leader_never_answers_an_older_step_because_a_report_is_missing() -> None:
+    async def go() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        await cluster(ctl, clock)  # a, b active, s a spare
+        for rank, node in ((0, "a"), (1, "b")):
+            await ctl.catalog.commit_shard(checkpoint_pb2.CommitShardRequest(
+                manifest=manifest_proto(man(10, rank)), tier="ssd", location=node))
+        cat = ctl.catalog
+        cat.take_report("a", "i1", report(snap(12, 0), snap(12, 1, owner="b")))
+        cat.take_report("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
+        first = cat.restore_target(JOB)
+        assert first.checkpoint.step == 12 and first.checkpoint.on_tier["mem"]
+        # a new term (as a standby taking over): nothing is known until the agents re-announce
+        cat.memory.new_term(clock())
+        for rt in ctl.committer.require_leader().runtime.values():
+            rt.last_heartbeat = None
+        with pytest.raises(errors.ReportsPending, match=r"3 node\(s\).*a, b, s"):
+            cat.restore_target(JOB)
+        cat.take_report("a", "i1", report(snap(12, 0)))  # a's replica of b went (say)
+        ctl.committer.require_leader().runtime["s"].last_heartbeat = clock()  # a spare's heartbeat, no report
+        with pytest.raises(errors.ReportsPending, match=r"1 node\(s\).*\(b\)") as pending:
+            cat.restore_target(JOB)
+        assert errors.grpc_code(pending.value).name == "UNAVAILABLE"
+        clock.advance(cat.memory_deadline_s + 0.1)
+        late = cat.restore_target(JOB)  # durable + what was reported: older, and it says why
+        assert late.checkpoint.step == 10 and "memory copies of node(s) b are not counted" in late.reason
+        cat.take_report("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
+        assert cat.restore_target(JOB).checkpoint.step == 12
+        listed = {i.step: i for i in cat.list(JOB)}
+        assert set(listed) == {10, 12} and listed[12].valid and not listed[10].on_tier["mem"]
+
+    run(go)
+
+
+def test_a_dead_nodes_memory_copies_do_not_count_and_its_report_is_dropped() -> None:
+    async def go() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        await cluster(ctl, clock)
+        cat = ctl.catalog
+        cat.take_report("a", "i1", report(snap(12, 0), snap(13, 0)))
+        cat.take_report("b", "i1", report(snap(12, 1), snap(12, 0, owner="a"), snap(13, 1)))
+        assert cat.restore_target(JOB).checkpoint.step == 13
+        await step(ctl, clock, beats=("b", "s"), n=60)  # a falls silent: declared dead
+        target = cat.restore_target(JOB)
+        assert target.checkpoint.step == 12, target.reason  # 13's rank 0 was only in a's memory
+        assert {(c.tier, c.location) for c in target.checkpoint.shards[0].copies} == {("mem", "b")}
+        assert "a" not in cat.memory.reports
+
+    run(go)
+
+
+def test_the_old_mem_rpcs_land_in_the_ledger_not_in_etcd() -> None:
+    async def go() -> None:
+        clock = Clock()
+        store = MemoryStore()
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        def writes() -> float:
+            return sum(s.value for m in ctl.metrics.registry.collect() if m.name == "ftd_coordinator_etcd_writes"
+                       for s in m.samples if s.name.endswith("_total"))
+
+        before = writes()
+        assert before > 0  # the cluster's own commits are counted
+        for rank, node in ((0, "a"), (1, "b")):
+            got = await ctl.catalog.commit_shard(checkpoint_pb2.CommitShardRequest(
+                manifest=manifest_proto(man(12, rank)), tier="mem", location=node))
+            assert "not written to etcd" in got.message
+        assert got.checkpoint.valid
+        copy = await ctl.catalog.record_copy(checkpoint_pb2.RecordCopyRequest(
+            job=JOB, step=12, rank=0, tier="mem", location="b", present=True))
+        assert {(c.tier, c.location) for c in copy.checkpoint.shards[0].copies} == {("mem", "a"), ("mem", "b")}
+        with pytest.raises(errors.CatalogConflict, match="other bytes"):
+            await ctl.catalog.record_copy(checkpoint_pb2.RecordCopyRequest(
+                job=JOB, step=12, rank=1, tier="mem", location="a", present=True, checksum="ffffffff"))
+        assert writes() == before
+        assert (JOB, 12) not in ctl.committer.require_leader().catalog
+        await ctl.catalog.invalidate(checkpoint_pb2.InvalidateCheckpointRequest(job=JOB, step=12, reason="bad"))
+        assert not ctl.catalog.restore_target(JOB).found
+
+    run(go)
