@@ -97,8 +97,10 @@ def test_snapshots_are_replicated_to_the_buddy_bounded_and_pulled_by_a_node_with
         assert result is not None and result.ok, (result, list(ck.results))
         # node-0 (r0) replicates to node-1 (r1), the next node in another rack; both record their copy.
         both = {CopyRef("mem", "node-0"), CopyRef("mem", "node-1")}
-        wait_for(lambda: both <= {CopyRef(c.tier, c.location) for c in records(racks, JOB)[5].shards[0].copies},
-                 20, "step 5 in the memory of node-0 and of its buddy node-1")
+        # Both announce their copy on their heartbeat stream (soft state in the leader, not etcd).
+        wait_for(lambda: 5 in (rows := records(racks, JOB)) and both <= {
+            CopyRef(c.tier, c.location) for c in rows[5].shards[0].copies}, 20,
+            "step 5 in the memory of node-0 and of its buddy node-1")
         rows = records(racks, JOB)
         assert rows[5].on_tier["mem"] and rows[5].cadence == cadence.describe()
         assert rows[0].on_tier["ssd"], "step 0 is durable (the first step of the cadence)"
@@ -120,7 +122,7 @@ def test_snapshots_are_replicated_to_the_buddy_bounded_and_pulled_by_a_node_with
         ck.close()
 
     # The spare holds no copy of rank 0: it pulls one from another node's memory through its agent.
-    wait_for(lambda: records(racks, JOB)[7].on_tier["mem"], 20, "step 7 replicated")
+    wait_for(lambda: 7 in (rows := records(racks, JOB)) and rows[7].on_tier["mem"], 20, "step 7 replicated")
     spare = Checkpointer(JOB, rank=0, world_size=1, agent_socket=agent(racks, "node-2").info["socket"],
                          install_signal_handlers=False)
     try:
@@ -141,7 +143,8 @@ def test_a_spare_prepares_room_for_what_it_would_pull_and_the_pull_lands_in_it(t
                       install_signal_handlers=False)
     try:
         assert ck.save(3, big, memory=True, durable=False).result().ok
-        wait_for(lambda: records(cluster, JOB)[3].on_tier["mem"], 20, "step 3 in memory on node-0 and its buddy")
+        wait_for(lambda: 3 in (rows := records(cluster, JOB)) and rows[3].on_tier["mem"], 20,
+                 "step 3 in memory on node-0 and its buddy")
         wait_for(lambda: metric(cluster, "node-2", "ftd_agent_landing_reserve_bytes") == 64 << 20, 30,
                  "the spare's 64 MiB slot prepared")
         assert list((mem_root(cluster, "node-2") / ".peer-copies" / ".landing").iterdir()), "a file in its memory tier"
