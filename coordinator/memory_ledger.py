@@ -241,6 +241,7 @@ class _Report:
     incarnation: str
     version: int
     snaps: tuple[Snap, ...]
+    parsed: dict[bytes, Snap] = field(default_factory=dict)  # a snapshot's wire form -> what it was taken as
 
 
 @dataclass
@@ -295,15 +296,19 @@ class MemoryLedger:
                           "%d) ignored", node, len(report.snapshots), MAX_SNAPSHOTS)
             return 0
         taken: list[Snap] = []
-        for m in report.snapshots:
-            snap = parse(node, m, self.rounds)
+        before = old.parsed if old is not None else {}
+        parsed: dict[bytes, Snap] = {}
+        for m in report.snapshots:  # a snapshot unchanged since the node's last report is not parsed again
+            raw = m.SerializeToString(deterministic=True)
+            snap = before.get(raw) or parse(node, m, self.rounds)
             if isinstance(snap, str):
                 self.refused += 1
                 self._log.log(logging.WARNING, f"refused:{node}", "node %s: memory snapshot not counted: %s", node,
                               snap)
             else:
                 taken.append(snap)
-        self.reports[node] = _Report(incarnation, report.version, tuple(taken))
+                parsed[raw] = snap
+        self.reports[node] = _Report(incarnation, report.version, tuple(taken), parsed)
         self.generation += 1
         return len(taken)
 
