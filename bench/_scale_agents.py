@@ -33,6 +33,10 @@ from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2
 JOB = "bench"
 OPTIONS = [("grpc.max_concurrent_streams", 100_000)]
 SHARD_BYTES = 2 << 30  # a DCP shard of a 16k-GPU job: ~2 GiB per rank
+# The simulated job is unmanaged (no ftd rendezvous) and does not restart when a node dies: it saves in
+# the epoch it started in, so a dead node's ranks stay restorable from its buddy's replicas (a real job
+# would restart in the new epoch and save every rank again).
+JOB_EPOCH = 0
 
 
 @dataclass
@@ -79,9 +83,11 @@ def index_of(node_id: str) -> int:
 
 
 def trainers(plan: Plan) -> dict[str, int]:
-    """The nodes that train (not the spares) -> their position: node p holds ranks p*K .. p*K+K-1."""
+    """The nodes that train -> their position: node p holds ranks p*K .. p*K+K-1. Not the spares, and
+    not the nodes that will die: a real job stops at a death and restarts in a new world, which the
+    simulation does not model, so the simulated job's ranks all live through the run."""
     ids = sorted(f"sim-{i:05d}" for i in range(plan.n))
-    return {node: p for p, node in enumerate(n for n in ids if n not in plan.spares)}
+    return {node: p for p, node in enumerate(n for n in ids if n not in plan.spares and n not in plan.victims)}
 
 
 def manifest(step: int, epoch: int, rank: int, world: int, now: float) -> checkpoint_pb2.ShardManifest:
@@ -135,11 +141,11 @@ class _Node:
                 continue
             for r in range(self.k if self.node_id in self.position else 0):
                 snaps.append(coordinator_pb2.MemorySnapshot(
-                    manifest=manifest(s, self.epoch, self.position[self.node_id] * self.k + r, self.world, now)))
+                    manifest=manifest(s, JOB_EPOCH, self.position[self.node_id] * self.k + r, self.world, now)))
             for m in (x for x in self.mirrors if x in self.position):
                 for r in range(self.k):
                     snaps.append(coordinator_pb2.MemorySnapshot(
-                        manifest=manifest(s, self.epoch, self.position[m] * self.k + r, self.world, now),
+                        manifest=manifest(s, JOB_EPOCH, self.position[m] * self.k + r, self.world, now),
                         replica=True, owner=m))
         self.report_version += 1
         return coordinator_pb2.MemoryReport(snapshots=snaps, version=self.report_version)
@@ -260,7 +266,7 @@ class _Node:
         if self.node_id in self.position:  # a spare trains nothing but keeps replicas
             mine = self.position[self.node_id] * self.k
             commits = [stub.CommitShard(checkpoint_pb2.CommitShardRequest(
-                manifest=manifest(step, self.epoch, mine + r, self.world, now), tier="mem",
+                manifest=manifest(step, JOB_EPOCH, mine + r, self.world, now), tier="mem",
                 location=self.node_id), timeout=30) for r in range(self.k)]
             self._tally(await asyncio.gather(*commits, return_exceptions=True))
         await asyncio.sleep(1.0 / self.plan.hz + 0.3)  # the buddies noticed the step and committed by then
