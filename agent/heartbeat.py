@@ -192,6 +192,8 @@ class Session:
                     state.sent_at, state.epoch, state.verdict, state.progress = now, epoch, verdict, progress
                     state.probed = False
             if due is not None:
+                if beaconing:
+                    log.debug("stream message: %s", due)
                 seq += 1
                 yield coordinator_pb2.HeartbeatRequest(
                     node_id=self.identity.node_id, incarnation=self.incarnation, known_epoch=epoch,

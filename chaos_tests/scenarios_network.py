@@ -81,6 +81,54 @@ def asymmetric_partition(ctx: Context) -> Outcome:
                    checks)
 
 
+def _counter(address: str, name: str) -> float:
+    with contextlib.suppress(OSError):
+        return promql_check.gauge(promql_check.scrape(address, timeout_s=2.0), name) or 0.0
+    return math.nan
+
+
+def beacons_dropped(ctx: Context) -> Outcome:
+    """A spare's UDP datagrams to the coordinators are lost (nftables; its TCP stream flows): its liveness
+    beacons stop arriving, and its stream is quiet (a spare reports no steps; no memory tier here, so
+    it keeps no buddy's replicas either), so the leader probes it on the stream; it answers and
+    heartbeats there until beacons arrive again. Nobody is declared dead, training goes on; healed, its
+    beacons count again. (An active node's stream carries its steps every second anyway.)"""
+    b = ctx.baseline()
+    victim = sorted(b.spares)[0]
+    host = ctx.host(victim)
+    leader = f"{ctx.host(str(ctx.status().leader_id)).address}:{isolated.COORDINATOR_METRICS_PORT}"
+    agent = f"{host.address}:{isolated.AGENT_METRICS_PORT}"
+    probes0 = _counter(leader, "ftd_coordinator_probes_total")
+    stream0 = _counter(agent, "ftd_agent_heartbeats_sent_total")
+    states: set[str] = set()
+
+    def watched() -> bool:
+        info = _node(ctx, victim)
+        states.add(cluster_pb2.NodeState.Name(info.state) if info is not None else "unlisted")
+        return time.time() - cut_at >= 6.0  # more than twice dead_after_s
+
+    ctx.lab.block_udp(host, [ctx.host(c.name) for c in ctx.cluster.coordinators])
+    cut_at = time.time()
+    try:
+        within(watched, 15.0, f"6 s with {victim}'s beacons dropped", interval_s=0.2)
+        elapsed = time.time() - cut_at
+        probes = _counter(leader, "ftd_coordinator_probes_total") - probes0
+        stream = (_counter(agent, "ftd_agent_heartbeats_sent_total") - stream0) / elapsed
+    finally:
+        ctx.lab.heal(host)
+    beacons0 = _counter(leader, "ftd_coordinator_beacons_accepted_total")
+    ctx.wait_progress(10, RECOVER_S)
+    beacons = _counter(leader, "ftd_coordinator_beacons_accepted_total") - beacons0
+    checks = [Check("probed", probes >= 1, f"{probes:g} probe(s) pushed by the leader while the beacons were cut"),
+              Check("stream_fallback", stream >= 1.0, f"{victim} sent {stream:.2f} stream messages a second while "
+                    "its beacons were cut (its own heartbeat rate: 2; with beacons arriving: ~0.25)"),
+              Check("alive_throughout", not states & {"NODE_STATE_DEAD", "NODE_STATE_FENCED"},
+                    f"{victim}'s states seen: {sorted(states)}"),
+              Check("beacons_again", beacons > 0, f"{beacons:g} beacons accepted after the heal")]
+    return Outcome(b, frozenset(), f"{victim} ({host.address}): UDP to the coordinators dropped for {elapsed:.1f}s, "
+                   "then healed", checks)
+
+
 def _node(ctx: Context, node: str) -> coordinator_pb2.NodeInfo | None:
     return next((n for n in ctx.client.nodes().nodes if n.node_id == node), None)
 
@@ -401,4 +449,7 @@ SCENARIOS = [
              "fires on the measured rates (promtool), training goes on, nobody declared dead", latency),
     Scenario("zombie", "a partitioned node replaced, then healed: back only as a spare, its old workers stopped, "
              "never in the world again", zombie),
+    Scenario("beacons-dropped", "a spare's UDP to the coordinators lost: probed, it heartbeats on its stream, "
+             "nobody declared dead, training on; healed, its beacons count again", beacons_dropped,
+             Shape(memory_every=0, persist_every=5, agent_args=("--no-mem-tier",))),
 ]

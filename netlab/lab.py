@@ -234,6 +234,10 @@ class Lab:
         addrs = frozenset({EVERYONE}) if peers is None else frozenset(p.address for p in peers)
         self._add_cut(host, Cut(inbound=addrs))
 
+    def block_udp(self, host: Host, peers: Iterable[Host]) -> None:
+        """``host``'s UDP datagrams to ``peers`` are lost (its TCP flows on): a blocked beacon path."""
+        self._add_cut(host, Cut(udp_outbound=frozenset(p.address for p in peers)))
+
     def partition_between(self, a: Host, b: Host) -> None:
         """``a`` and ``b`` cannot talk to each other; both still talk to everyone else."""
         self._add_cut(a, Cut(inbound=frozenset({b.address}), outbound=frozenset({b.address})))

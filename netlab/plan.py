@@ -64,36 +64,39 @@ class Cut:
 
     inbound: frozenset[str] = field(default_factory=frozenset)
     outbound: frozenset[str] = field(default_factory=frozenset)
+    udp_outbound: frozenset[str] = field(default_factory=frozenset)  # UDP only (liveness beacons), TCP flows
 
     def __post_init__(self) -> None:
-        for a in self.inbound | self.outbound:
+        for a in self.inbound | self.outbound | self.udp_outbound:
             if a != EVERYONE:
                 ipaddress.IPv4Address(a)
 
     @property
     def empty(self) -> bool:
-        return not self.inbound and not self.outbound
+        return not self.inbound and not self.outbound and not self.udp_outbound
 
     def merge(self, other: Cut) -> Cut:
-        return Cut(self.inbound | other.inbound, self.outbound | other.outbound)
+        return Cut(self.inbound | other.inbound, self.outbound | other.outbound, self.udp_outbound | other.udp_outbound)
 
     def without(self, address: str) -> Cut:
-        return Cut(self.inbound - {address}, self.outbound - {address})
+        return Cut(self.inbound - {address}, self.outbound - {address}, self.udp_outbound - {address})
 
     def dumps(self) -> dict[str, list[str]]:
-        return {"inbound": sorted(self.inbound), "outbound": sorted(self.outbound)}
+        out = {"inbound": sorted(self.inbound), "outbound": sorted(self.outbound)}
+        return {**out, "udp_outbound": sorted(self.udp_outbound)} if self.udp_outbound else out
 
     @classmethod
     def loads(cls, data: dict[str, Any]) -> Cut:
-        return cls(frozenset(data.get("inbound", ())), frozenset(data.get("outbound", ())))
+        return cls(frozenset(data.get("inbound", ())), frozenset(data.get("outbound", ())),
+                   frozenset(data.get("udp_outbound", ())))
 
 
-def _rules(addrs: Iterable[str], match: str) -> list[str]:
+def _rules(addrs: Iterable[str], match: str, only: str = "") -> list[str]:
     addrs = set(addrs)
     if EVERYONE in addrs:
         # ARP passes: a host cut one way still learns its peers' MACs, so the other way keeps working.
-        return ["meta protocol != arp drop"]
-    return [f"ip {match} {{ {', '.join(sorted(addrs, key=ipaddress.IPv4Address))} }} drop"] if addrs else []
+        return [f"meta protocol != arp {only}drop"]
+    return [f"ip {match} {{ {', '.join(sorted(addrs, key=ipaddress.IPv4Address))} }} {only}drop"] if addrs else []
 
 
 def render_cut(table: str, iface: str, cut: Cut) -> str:
@@ -104,7 +107,8 @@ def render_cut(table: str, iface: str, cut: Cut) -> str:
         raise NetlabError(f"bad nft table or interface name: {table!r}, {iface!r}")
     lines = [f"table netdev {table} {{"]
     for chain, hook, rules in (("inbound", "ingress", _rules(cut.inbound, "saddr")),
-                               ("outbound", "egress", _rules(cut.outbound, "daddr"))):
+                               ("outbound", "egress", _rules(cut.outbound, "daddr")
+                                + _rules(cut.udp_outbound, "daddr", "ip protocol udp "))):
         lines += [f"\tchain {chain} {{",
                   f'\t\ttype filter hook {hook} device "{iface}" priority 0; policy accept;',
                   *(f"\t\t{r}" for r in rules), "\t}"]
