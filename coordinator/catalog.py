@@ -91,7 +91,7 @@ class CatalogKeeper:
         self._generation = 0  # bumped with every change of the durable records
         self._merged: dict[str, tuple[tuple[int, int, int], list[rules.CheckpointRecord]]] = {}
         self._targets: dict[tuple[object, ...], checkpoint_pb2.RestoreTarget] = {}
-        self.clock = clock
+        self.clock, self.memory_in_etcd = clock, False  # True: memory RPCs go to etcd as before issue 19 (bench)
         self.limiter = limiter or rate_limits.WriteLimiter()
         self._series: set[str] = set()  # jobs whose gauges are published
         self.metrics = metrics
@@ -197,7 +197,7 @@ class CatalogKeeper:
         mem = request.tier == "mem"
         self.limiter.check("CommitShard/mem" if mem else "CommitShard", rate_limits.shard_writer(request.location,
                            manifest.rank), rate_limits.MEMORY_TIER_SCALE if mem else 1.0)
-        if mem:
+        if mem and not self.memory_in_etcd:
             return self._commit_memory(request, manifest, caller)
         async with self._lock:
             self._may_commit(caller, manifest)  # before anything is judged, changed or deleted
@@ -330,9 +330,8 @@ class CatalogKeeper:
         return next((r for r in self.merged(job) if r.step == step), None)
 
     def readiness(self, job: str) -> ledger.Readiness:
-        """:func:`~.memory_ledger.readiness` for ``job``'s world (its round's members, else every
-        node): a node that heartbeated to this leader has reported (an agent's first message carries
-        its report; one without a memory tier or inventory has nothing to report)."""
+        """:func:`~.memory_ledger.readiness` for ``job``'s world (its round's members, else every node); a
+        node that heartbeated to this leader without a report has none (an agent's first message has it)."""
         view = self.state.require_leader()
         state = view.jobs.get(job)
         world = [n for n in (state.members if state is not None and state.members else view.nodes)
@@ -407,7 +406,7 @@ class CatalogKeeper:
         mem = request.tier == "mem"
         self.limiter.check("RecordCopy/mem" if mem else "RecordCopy", rate_limits.shard_writer(request.location,
                            request.rank), rate_limits.MEMORY_TIER_SCALE if mem else 1.0)
-        if mem:
+        if mem and not self.memory_in_etcd:
             return self._record_memory(request, corrupt, caller)
         async with self._lock:
             record = self._get(job, step)

@@ -87,6 +87,7 @@ class Controller:
                                      settings.unmanaged_jobs, settings.memory_report_deadline_s, clock)
         self.catalog.buddy_of = self.membership.buddy_of
         self.catalog.address = address
+        self.catalog.memory_in_etcd = settings.memory_snapshots_in_etcd
         self.membership.on_memory = self.catalog.take_report  # memory snapshots: soft state (memory_ledger.py)
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.access = AccessKeeper(self.committer, wall)  # the deny list and the operator's admissions

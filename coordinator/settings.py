@@ -51,6 +51,9 @@ class CoordinatorSettings:
         4.0, "after becoming leader, restore targets wait at most this long for every alive node's memory report "
              "(memory snapshots are soft state, re-announced by the agents); then durable + reported, and it says so",
         "s")
+    memory_snapshots_in_etcd: bool = setting(
+        False, "record CommitShard/RecordCopy with tier mem in etcd as before issue 19 (one transaction per rank "
+               "and step): only to measure the old path (bench/coordinator_scale.py); agents announce on the stream")
     heartbeat_ack_interval_s: float = setting(
         1.0, "answer an agent's heartbeats at most this often (epoch changes are pushed at once)", "s")
     beacon_listen: str = setting(

@@ -251,3 +251,17 @@ def test_the_old_mem_rpcs_land_in_the_ledger_not_in_etcd() -> None:
         assert not ctl.catalog.restore_target(JOB).found
 
     run(go)
+
+
+def test_memory_snapshots_in_etcd_keeps_the_old_path_for_measuring_it() -> None:
+    async def go() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        ctl.catalog.memory_in_etcd = True  # --memory-snapshots-in-etcd (bench/coordinator_scale.py's old path)
+        await cluster(ctl, clock)
+        got = await ctl.catalog.commit_shard(checkpoint_pb2.CommitShardRequest(
+            manifest=manifest_proto(man(12, 0)), tier="mem", location="a"))
+        assert "not written to etcd" not in got.message
+        assert (JOB, 12) in ctl.committer.require_leader().catalog and not ctl.catalog.memory.singles
+
+    run(go)
