@@ -27,7 +27,7 @@ log = logging.getLogger("ftd.agent")
 class StreamPolicy:
     interval_s: float  # the heartbeat period: the stream's rate without beacons, or until they are confirmed
     keepalive_s: float  # with beacons, a stream message at least this often (its answer: the leader lives)
-    progress_interval_s: float  # with beacons, training progress on the stream at most this often
+    progress_interval_s: float  # with beacons, a new step or memory report on the stream at most this often
 
 
 @dataclass
@@ -35,7 +35,7 @@ class StreamState:
     """What this stream's messages said last, and where its beacons stand (one per stream)."""
 
     sent_at: float | None = None  # monotonic time of the last message (None: none yet)
-    progress_at: float = -1e18  # of the last message carrying a new progress
+    progress_at: float = -1e18  # of the last message carrying a new progress or memory report
     epoch: int = -1
     verdict: tuple[bool, str] | None = None
     progress: object = None  # the Progress object last sent (a new report is a new object)
@@ -59,10 +59,8 @@ def stream_due(now: float, beaconing: bool, state: StreamState, epoch: int, verd
         return "epoch changed"
     if verdict != state.verdict:
         return "health verdict changed"
-    if memory_changed:
-        return "memory report changed"
-    if progress is not state.progress and now - state.progress_at >= policy.progress_interval_s:
-        return "training progress"
+    if (memory_changed or progress is not state.progress) and now - state.progress_at >= policy.progress_interval_s:
+        return "memory report changed" if memory_changed else "training progress"  # (a step's news, rate-limited)
     if now - state.sent_at >= policy.keepalive_s:
         return "keepalive"
     return None

@@ -184,10 +184,11 @@ class Session:
             health, progress, epoch = self.health(), self.progress(), self.assignment.epoch
             verdict = (health.verdict.healthy, health.verdict.reason) if health.HasField("verdict") else None
             beaconing = self.beacons is not None and self.beacons.aimed
+            memory_changed = self.memory_changed()
             with self._stream_lock:
-                due = stream_due(now, beaconing, state, epoch, verdict, progress, self.memory_changed(), self.policy)
+                due = stream_due(now, beaconing, state, epoch, verdict, progress, memory_changed, self.policy)
                 if due is not None:
-                    if progress is not state.progress:
+                    if progress is not state.progress or memory_changed:
                         state.progress_at = now
                     state.sent_at, state.epoch, state.verdict, state.progress = now, epoch, verdict, progress
                     state.probed = False

@@ -100,7 +100,7 @@ class AgentSettings:
     beacon_keepalive_s: float = setting(
         4.0, "with beacons, a stream message at least this often: its answer tells this agent the leader lives", "s")
     progress_interval_s: float = setting(
-        1.0, "with beacons, a new training step goes on the stream at most this often", "s")
+        1.0, "with beacons, a new training step or memory report goes on the stream at most this often", "s")
     reconnect_max_backoff_s: float = setting(1.0, "upper bound of the reconnect backoff", "s")
     health_interval_s: float = setting(2.5, "period of disk/GPU health sampling (on its own thread; heartbeats "
                                             "carry the latest verdict)", "s")

@@ -202,7 +202,8 @@ def test_with_confirmed_beacons_the_stream_carries_changes_and_keepalives_only()
     assert due(14.0) == "keepalive"
     assert due(10.5, epoch=4) == "epoch changed"
     assert due(10.5, verdict=(False, "disk full")) == "health verdict changed"
-    assert due(10.5, memory=True) == "memory report changed"
+    assert due(10.5, memory=True) is None  # the step's memory report: rate-limited like its progress
+    assert due(11.0, memory=True) == "memory report changed"
     assert due(10.5, progress=newer) is None  # a new step, but within progress_interval_s of the last
     assert due(11.0, progress=newer) == "training progress"
 
