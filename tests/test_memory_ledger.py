@@ -5,13 +5,17 @@ leader, and the catalog's answers built from them (in process, on the controller
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from controller_harness import Clock, cluster, make, run, step
+from test_memory_tier import JOB as TIER_JOB
+from test_memory_tier import mem_tier, publish, store
 
-from ftd.agent.memory_report import manifest_proto
+from ftd.agent.errors import AgentError
+from ftd.agent.memory_report import MemoryInventory, manifest_proto
 from ftd.checkpoints import catalog as rules
-from ftd.checkpoints.layout import FileEntry, ShardManifest
+from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, shard_prefix
 from ftd.coordinator import errors
 from ftd.coordinator import memory_ledger as ledger
 from ftd.coordinator.store import MemoryStore
@@ -265,3 +269,32 @@ def test_memory_snapshots_in_etcd_keeps_the_old_path_for_measuring_it() -> None:
         assert (JOB, 12) in ctl.committer.require_leader().catalog and not ctl.catalog.memory.singles
 
     run(go)
+
+
+# ---- the agent's side: the inventory its heartbeat announces ----------------------------------------------------
+
+
+def test_the_inventory_announces_what_the_memory_tier_holds_on_a_streams_first_message_and_on_changes(
+        tmp_path: Path) -> None:
+    tier = mem_tier(tmp_path / "mem", "a")
+    inventory = MemoryInventory(store(tier), "a")
+    assert inventory.take(first=True) == coordinator_pb2.MemoryReport()  # a stream's first message: always
+    assert inventory.take(first=False) is None and not inventory.changed()
+    written = publish(tier, 5, 0, world=1)
+    request = checkpoint_pb2.CommitShardRequest(manifest=manifest_proto(written), tier="mem", restored_step=3,
+                                                job_round=2)
+    answer = inventory.own(request)
+    assert not answer.checkpoint.valid and "announced to the leader with the next heartbeat" in answer.message
+    assert answer.checkpoint.shards[0].checksum == written.checksum
+    publish(tier, 6, 1, world=2)
+    inventory.replica(TIER_JOB, 6, 1, owner="b")
+    assert inventory.changed()
+    sent = inventory.take(first=False)
+    assert sent is not None and inventory.take(first=False) is None
+    assert [(m.manifest.step, m.replica, m.owner, m.restored_step if m.HasField("restored_step") else None)
+            for m in sent.snapshots] == [(5, False, "", 3), (6, True, "b", None)]
+    store(tier).delete_prefix(shard_prefix(TIER_JOB, 5, 0), marker_name=MANIFEST)  # evicted by the keep rule
+    again = inventory.take(first=True)  # a new stream (a new leader): the whole report, less what went
+    assert again is not None and [m.manifest.step for m in again.snapshots] == [6] and again.version > sent.version
+    with pytest.raises(AgentError, match="not in the memory tier"):
+        inventory.own(checkpoint_pb2.CommitShardRequest(manifest=manifest_proto(man(9, 0)), tier="mem"))  # not written
