@@ -252,7 +252,7 @@ class Session:
         if sender is None:
             return
         if response.HasField("beacon"):
-            host, _ = parse_hostport(self.client.current)
+            host = response.beacon.host or parse_hostport(self.client.current)[0]  # the leader's own, else dialed
             sender.aim(host, response.beacon)
             log.info("sending liveness beacons to %s UDP %d every %.2fs", host,
                      sender.port_override or response.beacon.port, sender.interval_s)

@@ -45,9 +45,10 @@ class BeaconBook:
     """The leader's beacon keys by key id, one per open heartbeat stream. Ids start at a random
     point, so a beacon for a previous leader's key id finds no key (or one whose MAC it fails)."""
 
-    def __init__(self, port: int, interval_s: float) -> None:
+    def __init__(self, port: int, interval_s: float, host: str = "") -> None:
         self.port = port
         self.interval_s = interval_s
+        self.host = host  # the leader's advertised host ("" : agents use the host they dialed)
         self.keys: dict[int, BeaconKey] = {}
         self._next = secrets.randbelow(beacons.MAX_KEY_ID + 1)
 
@@ -69,7 +70,7 @@ class BeaconBook:
 
     def target(self, entry: BeaconKey) -> coordinator_pb2.BeaconTarget:
         return coordinator_pb2.BeaconTarget(port=self.port, key=entry.key, key_id=entry.key_id,
-                                            interval_s=self.interval_s)
+                                            interval_s=self.interval_s, host=self.host)
 
 
 def admit(beacon: beacons.Beacon, entry: BeaconKey | None) -> str | None:

@@ -122,7 +122,11 @@ async def serve(settings: CoordinatorSettings) -> int:
         except OSError as exc:
             log.error("cannot listen for beacons on UDP %s:%d (setting beacon_listen): %s", bhost, bport, exc)
             return 1
-        controller.membership.beacons = BeaconBook(bport, settings.beacon_interval_s)
+        # Agents are told the host this replica advertises: a load balancer in front (a Service) could hand a
+        # datagram to a standby. A wildcard listen address advertises nothing: they use the host they dialed.
+        ahost = rpc.parse_hostport(address)[0]
+        controller.membership.beacons = BeaconBook(bport, settings.beacon_interval_s,
+                                                   "" if ahost in ("0.0.0.0", "::", "") else ahost)
     await server.start()
     metrics_address = start_http(settings.metrics_listen, controller, metrics)
     logs.set_identity(replica=controller.replica_id)

@@ -89,11 +89,12 @@ def test_admit_names_why_a_beacon_is_dropped() -> None:
 
 
 def test_the_book_issues_distinct_keys_and_revokes_them() -> None:
-    book = BeaconBook(4000, 0.5)
+    book = BeaconBook(4000, 0.5, "coordinator-0.example")
     a, b = book.issue("a"), book.issue("a")
     assert a.key_id != b.key_id and a.key != b.key and len(a.key) == beacons.KEY_BYTES
     target = book.target(a)
-    assert (target.port, target.key, target.key_id, target.interval_s) == (4000, a.key, a.key_id, 0.5)
+    assert (target.port, target.key, target.key_id, target.interval_s, target.host) == (
+        4000, a.key, a.key_id, 0.5, "coordinator-0.example")
     book.revoke(a)
     assert a.key_id not in book.keys and b.key_id in book.keys
 

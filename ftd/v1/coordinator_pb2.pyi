@@ -904,14 +904,19 @@ class BeaconTarget(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     KEY_ID_FIELD_NUMBER: _builtins.int
     INTERVAL_S_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
     port: _builtins.int
-    """UDP, on the host the agent reaches the leader at"""
+    """UDP, on ``host`` (or the host the agent reaches the leader at)"""
     key: _builtins.bytes
     """HMAC-SHA256 key (32 bytes)"""
     key_id: _builtins.int
     """names the key in each beacon (the leader's stream number)"""
     interval_s: _builtins.float
     """the agent's beacon period"""
+    host: _builtins.str
+    """The leader's own host (its advertised address): beacons go there even when the agent reached the
+    leader through a load balancer that could hand a datagram to a standby; empty: the host dialed.
+    """
     def __init__(
         self,
         *,
@@ -919,10 +924,11 @@ class BeaconTarget(_message.Message):
         key: _builtins.bytes = ...,
         key_id: _builtins.int = ...,
         interval_s: _builtins.float = ...,
+        host: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_s", b"interval_s", "key", b"key", "key_id", b"key_id", "port", b"port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "interval_s", b"interval_s", "key", b"key", "key_id", b"key_id", "port", b"port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
