@@ -82,8 +82,8 @@ def peer_matches(peer: dict[str, Any], policy_namespace: str, source: Pod) -> bo
     return selects(peer.get("podSelector"), source.labels)
 
 
-def port_matches(rule_port: dict[str, Any], target: Pod, port: int) -> bool:
-    if rule_port.get("protocol", "TCP") != "TCP":
+def port_matches(rule_port: dict[str, Any], target: Pod, port: int, protocol: str = "TCP") -> bool:
+    if rule_port.get("protocol", "TCP") != protocol:
         return False
     if "port" not in rule_port:
         return True
@@ -94,8 +94,8 @@ def port_matches(rule_port: dict[str, Any], target: Pod, port: int) -> bool:
     return number <= port <= rule_port.get("endPort", number)
 
 
-def allowed(source: Pod, target: Pod, port: int, policies: list[dict[str, Any]]) -> bool:
-    """May ``source`` open a TCP connection to ``target``:``port`` under ``policies``?"""
+def allowed(source: Pod, target: Pod, port: int, policies: list[dict[str, Any]], protocol: str = "TCP") -> bool:
+    """May ``source`` open a TCP connection (or send a UDP datagram) to ``target``:``port`` under ``policies``?"""
     if target.host_network:
         return True  # policies do not isolate host-network pods
     isolating = [p for p in policies if p["metadata"]["namespace"] == target.namespace
@@ -109,7 +109,7 @@ def allowed(source: Pod, target: Pod, port: int, policies: list[dict[str, Any]])
             if peers and not any(peer_matches(p, policy["metadata"]["namespace"], source) for p in peers):
                 continue
             ports = rule.get("ports")
-            if ports and not any(port_matches(p, target, port) for p in ports):
+            if ports and not any(port_matches(p, target, port, protocol) for p in ports):
                 continue
             return True
     return False
@@ -156,6 +156,7 @@ TRAINING = Pod("llm-7b-0", "ftd-node", {"app.kubernetes.io/name": "llm-7b"})
 
 ETCD_CLIENT, ETCD_PEER_PORT, ETCD_METRICS = (ETCD.ports[n] for n in ("client", "peer", "metrics"))
 COORDINATOR_GRPC, COORDINATOR_METRICS = COORDINATOR.ports["grpc"], COORDINATOR.ports["metrics"]
+COORDINATOR_BEACONS = COORDINATOR.ports["beacons"]  # UDP
 AGENT_GRPC, AGENT_METRICS = AGENT.ports["grpc"], AGENT.ports["metrics"]
 AGENT_PEER_COPY = AGENT.ports["peer-copy"]
 
@@ -172,6 +173,7 @@ MATRIX: dict[tuple[str, int], set[str]] = {
     ("etcd", ETCD_METRICS): {"prometheus"},
     ("coordinator", COORDINATOR_GRPC): {"agent", "coordinator", "operator"},
     ("coordinator", COORDINATOR_METRICS): {"prometheus"},
+    ("coordinator", COORDINATOR_BEACONS): {"agent"},  # UDP liveness beacons
     ("agent", AGENT_GRPC): {"agent", "coordinator", "operator"},
     ("agent", AGENT_METRICS): {"prometheus"},
     ("agent", AGENT_PEER_COPY): {"agent"},  # a spare's agent pulling a shard for its restore
@@ -184,7 +186,8 @@ TARGETS = {"etcd": ETCD, "coordinator": COORDINATOR, "agent": AGENT}
 
 @pytest.mark.parametrize(("target", "port"), sorted(MATRIX), ids=[f"{t}:{p}" for t, p in sorted(MATRIX)])
 def test_the_policy_matrix(target: str, port: int) -> None:
-    may = {who for who, pod in EVERYONE.items() if allowed(pod, TARGETS[target], port, POLICIES)}
+    protocol = "UDP" if (target, port) == ("coordinator", COORDINATOR_BEACONS) else "TCP"
+    may = {who for who, pod in EVERYONE.items() if allowed(pod, TARGETS[target], port, POLICIES, protocol)}
     assert may == MATRIX[(target, port)], f"{target}:{port}"
 
 
