@@ -330,12 +330,12 @@ class CatalogKeeper:
         return next((r for r in self.merged(job) if r.step == step), None)
 
     def readiness(self, job: str) -> ledger.Readiness:
-        """:func:`~.memory_ledger.readiness` for ``job``'s world (its round's members, else every node); a
-        node that heartbeated to this leader without a report has none (an agent's first message has it)."""
+        """:func:`~.memory_ledger.readiness` for ``job``'s world (its round's members, else every node) known
+        at the election; one that heartbeated here without a report has none (an agent's first message has)."""
         view = self.state.require_leader()
         state = view.jobs.get(job)
         world = [n for n in (state.members if state is not None and state.members else view.nodes)
-                 if n in view.nodes and view.state_of(n)[0] not in _GONE]
+                 if n in self.memory.known and n in view.nodes and view.state_of(n)[0] not in _GONE]
         heard = self.memory.reported() | {n for n in world if (rt := view.runtime.get(n)) is not None
                                           and rt.last_heartbeat is not None}
         return ledger.readiness(self.clock(), self.memory.since, self.memory_deadline_s, world, heard)

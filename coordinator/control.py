@@ -149,7 +149,7 @@ class Controller:
             return
         state.suspended = False
         self.membership.new_term()
-        self.catalog.memory.new_term(self.clock())  # the agents re-announce their memory snapshots
+        self.catalog.memory.new_term(self.clock(), state.view.nodes)  # the agents re-announce their memory snapshots
         self.stragglers.new_term()
         self.rollbacks.new_term()
         self.fingerprints.new_term()

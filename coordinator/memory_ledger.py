@@ -256,20 +256,22 @@ class MemoryLedger:
     invalid: dict[tuple[str, int], str] = field(default_factory=dict)  # memory-only steps marked invalid
     bad: dict[tuple[str, int, int], dict[str, str]] = field(default_factory=dict)  # (job, step, rank) -> marks
     since: float = 0.0  # when this leader's term began (monotonic)
+    known: frozenset[str] = frozenset()  # the nodes in etcd at the election: the last leader may have counted them
     generation: int = 0  # bumped on every change: what the per-job index is cached against
     refused: int = 0  # snapshots not taken (cheap checks), this term
     _index: dict[str, list[Snap]] = field(default_factory=dict)
     _index_at: int = -1
     _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
 
-    def new_term(self, now: float) -> None:
-        """A new leadership: nothing is known until the agents re-announce."""
+    def new_term(self, now: float, nodes: Iterable[str] = ()) -> None:
+        """A new leadership: nothing is known until the agents re-announce. ``nodes``: those registered
+        at the election (a node first registered later reported to no earlier leader)."""
         self.reports.clear()
         self.singles.clear()
         self.rounds.clear()
         self.invalid.clear()
         self.bad.clear()
-        self.since, self.refused = now, 0
+        self.since, self.refused, self.known = now, 0, frozenset(nodes)
         self.generation += 1
 
     def see_round(self, job: JobState) -> None:

@@ -187,7 +187,7 @@ def test_a_new_leader_never_answers_an_older_step_because_a_report_is_missing() 
         first = cat.restore_target(JOB)
         assert first.checkpoint.step == 12 and first.checkpoint.on_tier["mem"]
         # a new term (as a standby taking over): nothing is known until the agents re-announce
-        cat.memory.new_term(clock())
+        cat.memory.new_term(clock(), ctl.committer.require_leader().nodes)
         for rt in ctl.committer.require_leader().runtime.values():
             rt.last_heartbeat = None
         with pytest.raises(errors.ReportsPending, match=r"3 node\(s\).*a, b, s"):
