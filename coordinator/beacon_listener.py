@@ -14,6 +14,7 @@ When a beaconing node falls silent the leader asks instead of guessing (:func:`p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import socket
@@ -28,7 +29,9 @@ from ftd.v1 import coordinator_pb2
 log = logging.getLogger("ftd.coordinator")
 
 DROP_REASONS = ("malformed", "unknown_key", "wrong_node", "bad_mac", "replay", "not_leader")
-RECEIVE_BUFFER_BYTES = 4 << 20  # a burst of ~50k beacons while a tick runs
+RECEIVE_BUFFER_BYTES = 4 << 20  # beacons that arrive while the event loop runs a tick or a burst of messages
+SMALL_BUFFER_BYTES = 1 << 20  # below this (net.core.rmem_max) a busy loop loses beacons: said at start
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux: past rmem_max, with CAP_NET_ADMIN
 
 
 @dataclass(slots=True)
@@ -124,11 +127,20 @@ class BeaconProtocol(asyncio.DatagramProtocol):
 
 async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[asyncio.DatagramTransport, int]:
     """Binds the beacon port (``port`` 0: a free one) on the running loop; returns the transport and
-    the bound port."""
+    the bound port. The receive buffer is asked large: each datagram takes ~1 KiB of it in the kernel,
+    and 20,000 beacons a second arrive while a tick runs; a small one (net.core.rmem_max) is logged."""
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER_BYTES)
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < RECEIVE_BUFFER_BYTES:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        if size < SMALL_BUFFER_BYTES:
+            log.warning("the beacon port's receive buffer is %d KiB (net.core.rmem_max): beacons that arrive "
+                        "while the leader is busy may be lost (probes then ask on the stream); raise it to "
+                        "%d MiB", size >> 10, RECEIVE_BUFFER_BYTES >> 20)
         sock.bind((host.strip("[]"), port))
         sock.setblocking(False)
     except OSError:
