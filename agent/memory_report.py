@@ -6,7 +6,9 @@ node in memory and a new leader hears it again, because every stream's first mes
 report. The inventory holds the snapshots this node vouches for: its own ranks' (the training's
 ``CommitShard(tier="mem")``, answered at once: the leader's verdict comes when records are built) and
 the replicas it took for the node it mirrors (agent.replica_intake). Before each report it drops what
-the memory tier no longer holds (the keep rule evicted it), so a report is what the tier has now.
+the memory tier no longer holds (the keep rule evicted it), so a report is what the tier has now. It is
+kept beside the tier too (:data:`FILE`, rewritten on every change): a restarted agent announces the
+snapshots its tier (tmpfs) still holds, not an empty tier that would make the leader forget them.
 
 The heartbeat asks :meth:`MemoryInventory.take` for each message (the report on a stream's first
 message and whenever it changed; ``None`` otherwise); :meth:`changed` says whether a message is due
@@ -15,6 +17,8 @@ for it (a sender that only writes on changes asks that).
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
 from ftd.checkpoints.copy import published_manifest
@@ -32,7 +36,9 @@ from ftd.v1 import checkpoint_pb2, coordinator_pb2
 
 from .errors import BadRequest, CopyMissing
 
+log = logging.getLogger("ftd.agent.memory_report")
 MAX_HELD = 4096  # snapshots announced per node at most (the leader ignores a bigger report)
+FILE = ".ftd-memory-inventory"  # in the memory tier's root: a reserved name, skipped by listings and scans
 
 
 def manifest_proto(m: ShardManifest) -> checkpoint_pb2.ShardManifest:
@@ -74,6 +80,18 @@ class MemoryInventory:
         self._lock = threading.Lock()
         self.version = 0  # bumped on every change (the leader ignores an older report of this agent)
         self._sent = -1  # the version the last report carried
+        self._path = store.root / FILE
+        self._writing = threading.Lock()
+        try:
+            kept = coordinator_pb2.MemoryReport.FromString(self._path.read_bytes())
+        except FileNotFoundError:
+            kept = coordinator_pb2.MemoryReport()
+        except (OSError, ValueError) as exc:  # DecodeError is a ValueError: start empty, say so
+            log.warning("memory inventory %s unreadable (%s): this node announces its new snapshots only",
+                        self._path, exc)
+            kept = coordinator_pb2.MemoryReport()
+        for snap in kept.snapshots:  # what the tier still holds is checked before each report
+            self._held[(snap.manifest.job, snap.manifest.step, snap.manifest.rank)] = snap
 
     def own(self, request: checkpoint_pb2.CommitShardRequest) -> checkpoint_pb2.CommitShardResponse:
         """A rank of this node saved a memory snapshot: recorded here, announced with the next
@@ -96,6 +114,7 @@ class MemoryInventory:
             self._held[(m.job, m.step, m.rank)] = snap
             self.version += 1
             version = self.version
+        self._keep()
         info = checkpoint_pb2.CheckpointInfo(
             job=m.job, step=m.step, epoch=m.epoch, world_size=m.world_size, format=m.format,
             created_unix_s=m.created_unix_s, valid=False, cadence=snap.cadence,
@@ -117,11 +136,26 @@ class MemoryInventory:
         with self._lock:
             self._held[(job, step, rank)] = snap
             self.version += 1
+        self._keep()
 
     def gone(self, job: str, step: int, rank: int) -> None:
         with self._lock:
-            if self._held.pop((job, step, rank), None) is not None:
-                self.version += 1
+            if self._held.pop((job, step, rank), None) is None:
+                return
+            self.version += 1
+        self._keep()
+
+    def _keep(self) -> None:
+        """The inventory beside the tier, replaced atomically (tmpfs: a few KB per change)."""
+        with self._writing:
+            with self._lock:
+                data = coordinator_pb2.MemoryReport(snapshots=list(self._held.values())).SerializeToString()
+            tmp = self._path.with_name(FILE + ".tmp")
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, self._path)
+            except OSError as exc:  # the announcement itself does not depend on it
+                log.warning("could not keep the memory inventory in %s: %s", self._path, exc)
 
     def changed(self) -> bool:
         """Something changed since the last report: a stream message is due to carry it."""
@@ -145,4 +179,4 @@ class MemoryInventory:
         return self.report() if first or self.changed() else None
 
 
-__all__ = ["MAX_HELD", "MemoryInventory", "check_manifest", "manifest_proto"]
+__all__ = ["FILE", "MAX_HELD", "MemoryInventory", "check_manifest", "manifest_proto"]

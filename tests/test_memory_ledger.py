@@ -13,7 +13,7 @@ from test_memory_tier import JOB as TIER_JOB
 from test_memory_tier import mem_tier, publish, store
 
 from ftd.agent.errors import AgentError
-from ftd.agent.memory_report import MemoryInventory, manifest_proto
+from ftd.agent.memory_report import FILE, MemoryInventory, manifest_proto
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, shard_prefix
 from ftd.coordinator import errors
@@ -298,3 +298,15 @@ def test_the_inventory_announces_what_the_memory_tier_holds_on_a_streams_first_m
     assert again is not None and [m.manifest.step for m in again.snapshots] == [6] and again.version > sent.version
     with pytest.raises(AgentError, match="not in the memory tier"):
         inventory.own(checkpoint_pb2.CommitShardRequest(manifest=manifest_proto(man(9, 0)), tier="mem"))  # not written
+
+
+def test_a_restarted_agent_announces_what_its_memory_tier_still_holds(tmp_path: Path) -> None:
+    tier = mem_tier(tmp_path / "mem", "a")
+    first = MemoryInventory(store(tier), "a")
+    first.own(checkpoint_pb2.CommitShardRequest(manifest=manifest_proto(publish(tier, 5, 0, world=1)), tier="mem"))
+    publish(tier, 6, 1, world=2)
+    first.replica(TIER_JOB, 6, 1, owner="b")
+    store(tier).delete_prefix(shard_prefix(TIER_JOB, 6, 1), marker_name=MANIFEST)
+    again = MemoryInventory(store(tier), "a").take(first=True)  # the agent restarted; its tmpfs did not
+    assert again is not None and [(m.manifest.step, m.replica) for m in again.snapshots] == [(5, False)]
+    assert (tmp_path / "mem" / FILE).is_file() and not [i.key for i in store(tier).list() if FILE in i.key]
