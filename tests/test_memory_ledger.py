@@ -310,3 +310,31 @@ def test_a_restarted_agent_announces_what_its_memory_tier_still_holds(tmp_path: 
     again = MemoryInventory(store(tier), "a").take(first=True)  # the agent restarted; its tmpfs did not
     assert again is not None and [(m.manifest.step, m.replica) for m in again.snapshots] == [(5, False)]
     assert (tmp_path / "mem" / FILE).is_file() and not [i.key for i in store(tier).list() if FILE in i.key]
+
+
+def test_the_training_side_retries_an_unavailable_restore_target_bounded(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    from ftd.training import agent_link
+
+    link = agent_link.AgentLink(str(tmp_path / "no.sock"))
+    calls: list[str] = []
+
+    def refused_twice(method: str, request: object, timeout_s: float | None = None) -> object:
+        calls.append(method)
+        if len(calls) <= 2:  # the new leader still hears the nodes' memory reports
+            raise agent_link.AgentUnavailable("UNAVAILABLE: this leader waits for the memory reports of 1 node(s)")
+        return checkpoint_pb2.RestoreTarget(found=True)
+
+    monkeypatch.setattr(link, "_call", refused_twice)
+    assert link.restore_target(JOB).found and calls == ["GetRestoreTarget"] * 3
+    monkeypatch.setattr(agent_link, "RESTORE_TARGET_RETRY_S", 0.5)
+    calls.clear()
+
+    def always(method: str, request: object, timeout_s: float | None = None) -> object:
+        calls.append(method)
+        raise agent_link.AgentUnavailable("still waiting")
+
+    monkeypatch.setattr(link, "_call", always)
+    with pytest.raises(agent_link.AgentUnavailable):
+        link.restore_target(JOB)
+    assert 2 <= len(calls) <= 5  # retried, then given up after the bound
