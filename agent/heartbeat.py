@@ -180,6 +180,7 @@ class Session:
         seq = 0
         state = self._stream
         while not self._stop.is_set():
+            self._wake.clear()  # before reading the state: a probe from now on wakes the wait below
             now = time.monotonic()
             health, progress, epoch = self.health(), self.progress(), self.assignment.epoch
             verdict = (health.verdict.healthy, health.verdict.reason) if health.HasField("verdict") else None
@@ -202,7 +203,6 @@ class Session:
                 )
                 self.on_heartbeat()
             self._wake.wait(self.interval_s)
-            self._wake.clear()
 
     def _session(self) -> None:
         if self._stop.is_set():

@@ -5,19 +5,24 @@ and the membership's handling of beacons and probes on the in-memory controller 
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 import socket
 import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 from controller_harness import Clock, cluster, make
 
 from ftd import beacons
 from ftd.agent.beacon_sender import BeaconSender, StreamPolicy, StreamState, confirm, stream_due
+from ftd.agent.heartbeat import Identity, Session
 from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, admit, probe_due
 from ftd.coordinator.detector import DetectorSettings, Liveness, State, judge
 from ftd.coordinator.store import MemoryStore
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.waiting import wait_for
 
 KEY = bytes(range(32))
 
@@ -245,3 +250,77 @@ def test_the_sender_beacons_under_the_streams_key_until_disarmed() -> None:
         thread.join(5)
         receiver.close()
     assert not thread.is_alive()
+
+
+class _FakeCall:
+    """A heartbeat stream the test answers by hand; a thread pulls the session's requests as gRPC would."""
+
+    def __init__(self, requests: Iterator[coordinator_pb2.HeartbeatRequest]) -> None:
+        self.answers: queue.Queue[coordinator_pb2.HeartbeatResponse | None] = queue.Queue()
+        self.sent: list[tuple[float, coordinator_pb2.HeartbeatRequest]] = []
+        self._pull = threading.Thread(target=self._consume, args=(requests,), daemon=True)
+        self._pull.start()
+
+    def _consume(self, requests: Iterator[coordinator_pb2.HeartbeatRequest]) -> None:
+        for req in requests:
+            self.sent.append((time.monotonic(), req))
+
+    def __iter__(self) -> Iterator[coordinator_pb2.HeartbeatResponse]:
+        while (answer := self.answers.get(timeout=10)) is not None:
+            yield answer
+
+    def cancel(self) -> None:
+        self.answers.put(None)
+
+
+class _FakeClient:
+    current = "127.0.0.1:7400"
+
+    def __init__(self) -> None:
+        self.calls: queue.Queue[_FakeCall] = queue.Queue()
+
+    def register(self, req: coordinator_pb2.RegisterRequest, **kw: object) -> coordinator_pb2.RegisterResponse:
+        return coordinator_pb2.RegisterResponse(assignment=cluster_pb2.Assignment(epoch=1, rank=0))
+
+    def heartbeat_stream(self, requests: Iterator[coordinator_pb2.HeartbeatRequest]) -> _FakeCall:
+        call = _FakeCall(requests)
+        self.calls.put(call)
+        return call
+
+
+def test_the_session_goes_quiet_once_beacons_are_confirmed_and_answers_a_probe_at_once() -> None:
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    client = _FakeClient()
+    sender = BeaconSender("node-1", interval_s=0.5)
+    session = Session(client, Identity("node-1", "h", cluster_pb2.ROLE_ACTIVE, {}, "127.0.0.1:1"),  # type: ignore[arg-type]
+                      interval_s=0.5, timeout_s=3.0, max_backoff_s=0.1, health=cluster_pb2.Health,
+                      progress=cluster_pb2.Progress, beacons=sender, keepalive_s=30.0)
+    threads = [threading.Thread(target=t, daemon=True) for t in (session.run, sender.run)]
+    for t in threads:
+        t.start()
+    try:
+        call = client.calls.get(timeout=5)
+        wait_for(lambda: call.sent, 5, "the stream's first message")
+        assert not call.sent[0][1].beaconing  # no target yet
+        target = coordinator_pb2.BeaconTarget(port=receiver.getsockname()[1], key=KEY, key_id=3, interval_s=0.5)
+        call.answers.put(coordinator_pb2.HeartbeatResponse(beacon=target))
+        wait_for(lambda: len(call.sent) >= 2 and sender.seq >= 1, 5, "a beat with beacons, unconfirmed")
+        assert call.sent[-1][1].beaconing
+        call.answers.put(coordinator_pb2.HeartbeatResponse(beacon_seq_seen=sender.seq))  # confirmed
+        wait_for(lambda: session._stream.confirmed, 5, "beacons confirmed")
+        quiet_from = len(call.sent)
+        seq = sender.seq
+        wait_for(lambda: sender.seq >= seq + 3, 5, "three more beacons")  # 1.5 s
+        assert len(call.sent) <= quiet_from + 1, "the stream stays quiet while beacons carry liveness"
+        probed = time.monotonic()
+        count = len(call.sent)
+        call.answers.put(coordinator_pb2.HeartbeatResponse(probe=True, beacon_seq_seen=seq))
+        wait_for(lambda: len(call.sent) > count, 5, "the probe's answer")
+        assert call.sent[count][0] - probed < 0.25, "answered at once, not at the next beat"
+        wait_for(lambda: len(call.sent) >= count + 3, 5, "beats at full rate until beacons are seen again")
+    finally:
+        session.stop()
+        for t in threads:
+            t.join(5)
+        receiver.close()
