@@ -40,7 +40,6 @@ from .view import ClusterView
 
 log = logging.getLogger("ftd.coordinator.catalog")
 MAX_JOB_SERIES = 16  # jobs with ftd_coordinator_checkpoint_* series: those with the newest valid steps
-_GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)  # a node whose memory copies do not count
 _PAGE_TOKEN = r"(?:[A-Za-z0-9][A-Za-z0-9._-]{0,127}/[0-9]{12})?"  # "<job>/<step:012d>" of the last item
 
 
@@ -313,7 +312,7 @@ class CatalogKeeper:
     def merged(self, job: str) -> list[rules.CheckpointRecord]:
         """The job's durable records merged with the memory snapshots of its alive nodes."""
         view = self.state.require_leader()
-        self.memory.forget_gone(lambda n: n in view.nodes and view.state_of(n)[0] not in _GONE)  # its memory died
+        self.memory.gone(view, self.clock())  # a dead node's report goes: its memory died with it
         key = (self.memory.generation, self._generation, id(view))
         cached = self._merged.get(job)
         if cached is not None and cached[0] == key:
@@ -330,15 +329,8 @@ class CatalogKeeper:
         return next((r for r in self.merged(job) if r.step == step), None)
 
     def readiness(self, job: str) -> ledger.Readiness:
-        """:func:`~.memory_ledger.readiness` for ``job``'s world (its round's members, else every node) known
-        at the election; one that heartbeated here without a report has none (an agent's first message has)."""
-        view = self.state.require_leader()
-        state = view.jobs.get(job)
-        world = [n for n in (state.members if state is not None and state.members else view.nodes)
-                 if n in self.memory.known and n in view.nodes and view.state_of(n)[0] not in _GONE]
-        heard = self.memory.reported() | {n for n in world if (rt := view.runtime.get(n)) is not None
-                                          and rt.last_heartbeat is not None}
-        return ledger.readiness(self.clock(), self.memory.since, self.memory_deadline_s, world, heard)
+        """:meth:`~.memory_ledger.MemoryLedger.readiness_of` on this leader's view."""
+        return self.memory.readiness_of(self.state.require_leader(), job, self.clock(), self.memory_deadline_s)
 
     def _commit_memory(self, request: checkpoint_pb2.CommitShardRequest, manifest: ShardManifest,
                        caller: Identity | None) -> checkpoint_pb2.CommitShardResponse:
@@ -518,7 +510,7 @@ class CatalogKeeper:
             raise errors.ReportsPending(job, ready.waiting, ready.left_s, self.address)
         records = self.merged(job)
         state = view.jobs.get(job)
-        gone = frozenset(n for n in view.nodes if view.state_of(n)[0] in _GONE)
+        gone = self.memory.gone(view, self.clock())
         key = (job, world_size, replicated, fmt, self._merged[job][0] if job in self._merged else None, gone,
                len(view.nodes), ready.late, view.rollbacks.get(job), state.skip_until if state is not None else -1)
         answer = self._targets.get(key)

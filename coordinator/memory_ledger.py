@@ -29,15 +29,18 @@ import crc32c
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.layout import MAX_RANK, FileEntry, ShardManifest, check_job
 from ftd.throttle import LogThrottle
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import shard_rules
 from .rendezvous import JobState
+from .view import ClusterView
 
 log = logging.getLogger("ftd.coordinator.memory_ledger")
 MAX_SNAPSHOTS = 4096  # per report: a node's ranks and its buddy's, MEM_KEEP each; far above any real node
 MAX_FILES = 100_000  # per snapshot
 FORMATS = ("torch", "dcp")
+GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)  # a node whose memory copies do not count
+STATES_EVERY_S = 0.1  # the nodes' states are looked at most this often (a restore target is asked by every rank)
 
 
 class Snap(NamedTuple):
@@ -259,6 +262,8 @@ class MemoryLedger:
     known: frozenset[str] = frozenset()  # the nodes in etcd at the election: the last leader may have counted them
     generation: int = 0  # bumped on every change: what the per-job index is cached against
     refused: int = 0  # snapshots not taken (cheap checks), this term
+    ready: set[str] = field(default_factory=set)  # jobs every known node of whose world has reported, this term
+    _gone: tuple[float, int, frozenset[str]] = (-1e18, 0, frozenset())  # (when, id(view), dead or fenced nodes)
     _index: dict[str, list[Snap]] = field(default_factory=dict)
     _index_at: int = -1
     _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
@@ -272,6 +277,8 @@ class MemoryLedger:
         self.invalid.clear()
         self.bad.clear()
         self.since, self.refused, self.known = now, 0, frozenset(nodes)
+        self.ready.clear()
+        self._gone = (-1e18, 0, frozenset())
         self.generation += 1
 
     def see_round(self, job: JobState) -> None:
@@ -344,13 +351,33 @@ class MemoryLedger:
         if self.reports.pop(node, None) is not None or self.singles.pop(node, None) is not None:
             self.generation += 1
 
-    def forget_gone(self, alive: Callable[[str], bool]) -> None:
-        """Drops the reports of the nodes no longer ``alive`` (dead, fenced, unknown)."""
-        for node in [n for n in (*self.reports, *self.singles) if not alive(n)]:
-            self.forget_node(node)
+    def gone(self, view: ClusterView, now: float) -> frozenset[str]:
+        """The dead or fenced nodes, looked at every :data:`STATES_EVERY_S` at most; the reports of
+        those and of unknown nodes are dropped (a node's memory tier dies with it)."""
+        at, seen, gone = self._gone
+        if seen != id(view) or not 0 <= now - at < STATES_EVERY_S:
+            gone = frozenset(n for n in view.nodes if view.state_of(n)[0] in GONE)
+            for node in [n for n in (*self.reports, *self.singles) if n in gone or n not in view.nodes]:
+                self.forget_node(node)
+            self._gone = (now, id(view), gone)
+        return gone
 
-    def reported(self) -> set[str]:
-        return set(self.reports)
+    def readiness_of(self, view: ClusterView, job: str, now: float, deadline_s: float) -> Readiness:
+        """:func:`readiness` for ``job``'s world (its round's members, else every node) known at the
+        election; one that heartbeated here without a report has none (an agent's first message has
+        it). Once every one reported the job stays ready this term (asked by every rank: O(1) then)."""
+        if job in self.ready:
+            return Readiness()
+        state = view.jobs.get(job)
+        gone = self.gone(view, now)
+        world = [n for n in (state.members if state is not None and state.members else view.nodes)
+                 if n in self.known and n in view.nodes and n not in gone]
+        heard = set(self.reports) | {n for n in world if (rt := view.runtime.get(n)) is not None
+                                     and rt.last_heartbeat is not None}
+        ready = readiness(now, self.since, deadline_s, world, heard)
+        if ready == Readiness():
+            self.ready.add(job)
+        return ready
 
     def snapshots(self, job: str) -> list[Snap]:
         """Every known snapshot of ``job`` (cached per :attr:`generation`)."""
