@@ -98,6 +98,7 @@ class Membership:
         self.on_progress: Callable[[str, cluster_pb2.Progress], None] = lambda node_id, progress: None
         # a node's memory report (node, incarnation, report): the catalog's ledger (memory_ledger.py)
         self.on_memory: Callable[[str, str, coordinator_pb2.MemoryReport], None] = lambda n, i, r: None
+        self.memory_holders: Callable[[str, int], set[str]] = lambda job, rank: set()  # nodes with it in memory
         # Set by the controller: each committed failure of a node of the job (cause, node, since: its last
         # sign of life, unix s; None: not known) goes to the goodput ledger.
         self.on_failure: Callable[[str, str, float | None], None] = lambda cause, node_id, since: None
@@ -296,7 +297,7 @@ class Membership:
         rank, job = view.rank_of(node_id), view.current_job()
         held: set[str] = set()
         if len(self._reachable) > buddies.INLINE_PEERS_MAX and rank >= 0 and job is not None:
-            held = buddies.holders(view.catalog, job.job, rank)  # only listed above the inline bound
+            held = buddies.holders(view.catalog, job.job, rank) | self.memory_holders(job.job, rank)  # above the bound
         found = buddies.peers_for(node_id, buddy, self._reachable, view.world.ranks, held, every=self._every)
         return replace(found, mirrors=self._mirrors.get(node_id, ()))
 

@@ -265,6 +265,7 @@ class MemoryLedger:
     ready: set[str] = field(default_factory=set)  # jobs every known node of whose world has reported, this term
     _gone: tuple[float, int, frozenset[str]] = (-1e18, 0, frozenset())  # (when, id(view), dead or fenced nodes)
     _index: dict[str, list[Snap]] = field(default_factory=dict)
+    _holders: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, rank) -> reporting nodes
     _index_at: int = -1
     _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
 
@@ -272,6 +273,7 @@ class MemoryLedger:
         """A new leadership: nothing is known until the agents re-announce. ``nodes``: those registered
         at the election (a node first registered later reported to no earlier leader)."""
         self.reports.clear()
+        self._holders.clear()
         self.singles.clear()
         self.rounds.clear()
         self.invalid.clear()
@@ -317,6 +319,7 @@ class MemoryLedger:
             else:
                 taken.append(snap)
                 parsed[raw] = snap
+        self._rehold(node, old.snaps if old is not None else (), taken)
         self.reports[node] = _Report(incarnation, report.version, tuple(taken), parsed)
         self.generation += 1
         return len(taken)
@@ -339,6 +342,7 @@ class MemoryLedger:
         if report is not None:
             kept = tuple(s for s in report.snaps if (s.job, s.step, s.rank) != (job, step, rank))
             if len(kept) != len(report.snaps):
+                self._rehold(node, report.snaps, kept)
                 report.snaps = kept
                 self.generation += 1
 
@@ -348,8 +352,27 @@ class MemoryLedger:
 
     def forget_node(self, node: str) -> None:
         """A node no longer alive: its memory tier is gone with it (or fenced off)."""
-        if self.reports.pop(node, None) is not None or self.singles.pop(node, None) is not None:
+        report, single = self.reports.pop(node, None), self.singles.pop(node, None)
+        if report is not None:
+            self._rehold(node, report.snaps, ())
+        if report is not None or single is not None:
             self.generation += 1
+
+    def _rehold(self, node: str, old: Iterable[Snap], new: Iterable[Snap]) -> None:
+        """Keeps :meth:`holders` in step with a node's report (a few dict operations per snapshot)."""
+        for s in old:
+            nodes = self._holders.get((s.job, s.rank))
+            if nodes is not None:
+                nodes.discard(node)
+                if not nodes:
+                    del self._holders[(s.job, s.rank)]
+        for s in new:
+            self._holders.setdefault((s.job, s.rank), set()).add(node)
+
+    def holders(self, job: str, rank: int) -> set[str]:
+        """The nodes whose memory holds a snapshot of ``rank`` of ``job`` (its own or a replica): the
+        peer addresses a node is told above the inline bound (coordinator/buddies.py) include them."""
+        return set(self._holders.get((job, rank), ()))
 
     def gone(self, view: ClusterView, now: float) -> frozenset[str]:
         """The dead or fenced nodes, looked at every :data:`STATES_EVERY_S` at most; the reports of

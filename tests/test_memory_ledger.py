@@ -98,6 +98,18 @@ def test_a_late_report_of_the_same_agent_is_ignored_a_new_incarnations_replaces(
     assert book.refused == 1 and {s.node for s in book.snapshots(JOB)} == {"a", "b"}
 
 
+def test_the_holders_of_a_rank_follow_the_reports() -> None:
+    """Above the inline bound a node is told the addresses of the nodes holding its rank (buddies.py)."""
+    book = ledger.MemoryLedger()
+    book.take("a", "i1", report(snap(5, 0), snap(5, 1, owner="b"), snap(6, 1, owner="b")))
+    book.take("b", "i1", report(snap(5, 1), snap(5, 0, owner="a")))
+    assert book.holders(JOB, 1) == {"a", "b"} and book.holders(JOB, 0) == {"a", "b"}
+    book.take("a", "i1", report(snap(6, 0), version=2))  # a no longer holds b's replicas
+    assert book.holders(JOB, 1) == {"b"} and book.holders(JOB, 0) == {"a", "b"}
+    book.forget_node("b")
+    assert book.holders(JOB, 1) == set() and book.holders(JOB, 0) == {"a"}
+
+
 # ---- merge: the commit-time rules at read time ------------------------------------------------------------------
 
 
