@@ -32,6 +32,7 @@ DROP_REASONS = ("malformed", "unknown_key", "wrong_node", "bad_mac", "replay", "
 RECEIVE_BUFFER_BYTES = 4 << 20  # beacons that arrive while the event loop runs a tick or a burst of messages
 SMALL_BUFFER_BYTES = 1 << 20  # below this (net.core.rmem_max) a busy loop loses beacons: said at start
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux: past rmem_max, with CAP_NET_ADMIN
+MAX_BATCH = 512  # datagrams read per wake-up of the event loop
 
 
 @dataclass(slots=True)
@@ -103,9 +104,10 @@ def probe_due(now: float, last_seen: float, beaconing: bool, probed_at: float | 
     return f"no beacon for {silent:.2f}s (suspect_after_s={suspect_after_s:g}): probing on the stream"
 
 
-class BeaconProtocol(asyncio.DatagramProtocol):
+class BeaconProtocol:
     """Decodes every datagram and hands beacons to ``on_beacon`` (the membership's), which returns a
-    drop reason or None; counts both."""
+    drop reason or None; counts both. :meth:`drain` reads every datagram waiting on the socket per
+    wake-up of the event loop (asyncio's datagram transport takes one per wake-up)."""
 
     def __init__(self, on_beacon: Callable[[beacons.Beacon], str | None], accepted: Counter,
                  dropped: Counter) -> None:
@@ -121,11 +123,34 @@ class BeaconProtocol(asyncio.DatagramProtocol):
         else:
             self.dropped[reason].inc()
 
-    def error_received(self, exc: Exception) -> None:  # an ICMP error of some earlier send: nothing to do
-        log.debug("beacon socket: %s", exc)
+    def drain(self, sock: socket.socket) -> None:
+        """Everything waiting, up to :data:`MAX_BATCH` (then the loop runs other work and comes back)."""
+        for _ in range(MAX_BATCH):
+            try:
+                data = sock.recv(beacons.MAX_DATAGRAM + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # an ICMP error of some earlier send: nothing to do
+                log.debug("beacon socket: %s", exc)
+                return
+            self.datagram_received(data, ())
 
 
-async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[asyncio.DatagramTransport, int]:
+class BeaconPort:
+    """The bound beacon socket, read on the event loop."""
+
+    def __init__(self, sock: socket.socket, protocol: BeaconProtocol) -> None:
+        self.sock = sock
+        self.port: int = sock.getsockname()[1]
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), protocol.drain, sock)
+
+    def close(self) -> None:
+        self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+
+
+async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[BeaconPort, int]:
     """Binds the beacon port (``port`` 0: a free one) on the running loop; returns the transport and
     the bound port. The receive buffer is asked large: each datagram takes ~1 KiB of it in the kernel,
     and 20,000 beacons a second arrive while a tick runs; a small one (net.core.rmem_max) is logged."""
@@ -146,5 +171,5 @@ async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[asynci
     except OSError:
         sock.close()
         raise
-    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(lambda: protocol, sock=sock)
-    return transport, sock.getsockname()[1]
+    bound = BeaconPort(sock, protocol)
+    return bound, bound.port
