@@ -15,9 +15,10 @@ time minus the death time (same host clock). Any other node declared dead is a f
 ``--memory-every-step --step-s S --ranks-per-node K``: every node also snapshots its K ranks every S s
 and keeps its buddy's replicas, and the run is made twice in the same invocation, one per ``--paths``:
 ``rpc`` (before issue 19: stream heartbeats at ``--hz``, and per rank and step a CommitShard(mem) and
-the buddy's RecordCopy(mem) RPC) and ``beacons`` (issue 19: UDP liveness beacons at ``--hz``, one stream
-message per node and step with its whole memory report). Both ask the same coordinator code; ``leader
-CPU per agent-second`` is compared (``ratio_beacons_to_rpc``).
+the buddy's RecordCopy(mem) RPC, each an etcd transaction: the coordinator's
+``memory_snapshots_in_etcd``) and ``beacons`` (issue 19: UDP liveness beacons at ``--hz``, one stream
+message per node and step with its whole memory report, kept by the leader in memory). ``leader CPU per
+agent-second`` and the rest are compared side by side (``ratio_*``).
 
 ``--replicas R`` runs R coordinator replicas (one leader, R-1 hot standbys); each one's CPU is printed.
 ``--kill-leader`` then SIGKILLs the leader after the window and measures until a standby answers a
@@ -198,7 +199,9 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
                 issue(pki_dir, "coordinator", c)
         tls_args = ["--pki-dir", str(pki_dir), "--cluster", CLUSTER]
     config = work / f"coord-{tag}.yaml"  # JSON is YAML
-    config.write_text(json.dumps({"admitted_nodes": ids, "unmanaged_jobs": True}))
+    # The rpc path is the one before issue 19 all through: memory snapshots recorded in etcd, no beacons.
+    config.write_text(json.dumps({"admitted_nodes": ids, "unmanaged_jobs": True,
+                                  "memory_snapshots_in_etcd": path == "rpc"}))
     etcd = EtcdCluster(work / f"etcd-{tag}", size=1).start()
     operator = IdentityFiles(pki_dir, "operator", DEFAULT_OPERATOR) if pki_dir is not None else None
     replicas: list[_Replica] = []
