@@ -33,6 +33,7 @@ RECEIVE_BUFFER_BYTES = 4 << 20  # beacons that arrive while the event loop runs 
 SMALL_BUFFER_BYTES = 1 << 20  # below this (net.core.rmem_max) a busy loop loses beacons: said at start
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux: past rmem_max, with CAP_NET_ADMIN
 MAX_BATCH = 512  # datagrams read per wake-up of the event loop
+DRAIN_LIMIT = 100_000  # datagrams read before a tick judges (a 4 MiB buffer holds a few thousand)
 
 
 @dataclass(slots=True)
@@ -123,9 +124,10 @@ class BeaconProtocol:
         else:
             self.dropped[reason].inc()
 
-    def drain(self, sock: socket.socket) -> None:
-        """Everything waiting, up to :data:`MAX_BATCH` (then the loop runs other work and comes back)."""
-        for _ in range(MAX_BATCH):
+    def drain(self, sock: socket.socket, limit: int = 0) -> None:
+        """Everything waiting, up to ``limit`` datagrams (0: :data:`MAX_BATCH`; the loop runs other work
+        and comes back)."""
+        for _ in range(limit or MAX_BATCH):
             try:
                 data = sock.recv(beacons.MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
@@ -144,6 +146,11 @@ class BeaconPort:
         self.port: int = sock.getsockname()[1]
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), protocol.drain, sock)
+        self.protocol = protocol
+
+    def drain(self) -> None:
+        """Every beacon waiting now (before a tick judges silences), bounded."""
+        self.protocol.drain(self.sock, DRAIN_LIMIT)
 
     def close(self) -> None:
         self._loop.remove_reader(self.sock.fileno())

@@ -127,6 +127,7 @@ async def serve(settings: CoordinatorSettings) -> int:
         ahost = rpc.parse_hostport(address)[0]
         controller.membership.beacons = BeaconBook(bport, settings.beacon_interval_s,
                                                    "" if ahost in ("0.0.0.0", "::", "") else ahost)
+        controller.membership.drain_beacons = beacon_transport.drain
     await server.start()
     metrics_address = start_http(settings.metrics_listen, controller, metrics)
     logs.set_identity(replica=controller.replica_id)

@@ -83,6 +83,9 @@ class Membership:
         self.wall = wall  # unix time: registration and fence records
         self.streams: dict[str, Stream] = {}
         self.beacons: BeaconBook | None = None  # set once the beacon port is bound (None: beacons off)
+        # Set by main: reads every beacon waiting on the port, so that a tick never judges a silence
+        # whose beacons are queued in the socket (the loop was busy with other work).
+        self.drain_beacons: Callable[[], None] = lambda: None
         self.recovery = RecoveryTracker()
         self.changed = False  # membership changed since the gauges were last published
         self._lock = asyncio.Lock()
@@ -368,6 +371,7 @@ class Membership:
 
     async def _reconcile(self, view: ClusterView) -> None:
         """Judges every node, then commits the placement's next step, if any."""
+        self.drain_beacons()
         now = self.clock()
         self._judge(view, now)
         planned = self._handovers_due(view)
@@ -509,7 +513,7 @@ class Membership:
             before = before_all.get(node_id)
             if before is verdict or node_id in forced:
                 continue
-            if verdict.state is State.SUSPECT:
+            if verdict.state is State.SUSPECT and not judgement.stalled:  # a stall: silences are not evidence
                 self._probe(node_id, view.liveness[node_id].last_seen, now)
             if before is None or before.state is not verdict.state:
                 changed = True

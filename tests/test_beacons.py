@@ -324,3 +324,33 @@ def test_the_session_goes_quiet_once_beacons_are_confirmed_and_answers_a_probe_a
         for t in threads:
             t.join(5)
         receiver.close()
+
+
+def test_no_probe_in_a_stalled_judgement_and_queued_beacons_count_before_judging() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        membership = ctl.membership
+        membership.beacons = BeaconBook(4000, 0.5)
+        await cluster(ctl, clock)
+        membership.close_streams(None)
+        stream = membership.open_stream(_hb("a"))
+        target = membership.heartbeat_response(stream).beacon
+        view = ctl.committer.view
+        assert view is not None
+        await ctl.tick()
+        clock.advance(1.5)  # the leader did not run for 1.5 s (> stall_after_s): a's silence is no evidence
+        await ctl.tick()
+        assert view.verdicts["a"].state is State.SUSPECT and not stream.probe_pending
+        queued = [_beacon("a", target.key_id, 1, target.key)]  # a beacon waiting in the socket
+        membership.drain_beacons = lambda: [membership.on_beacon(b) for b in queued] and None
+        clock.advance(0.1)
+        await ctl.tick()
+        assert view.verdicts["a"].state is State.ALIVE and not stream.probe_pending
+        queued.clear()
+        for _ in range(13):  # silent again, the leader running: probed
+            clock.advance(0.1)
+            await ctl.tick()
+        assert stream.probe_pending
+
+    asyncio.run(scenario())
