@@ -32,6 +32,7 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 EXPORTED = {
     # coordinator
     "ftd_coordinator_nodes", "ftd_coordinator_heartbeats_received_total", "ftd_coordinator_heartbeat_streams",
+    "ftd_coordinator_beacons_accepted_total", "ftd_coordinator_beacons_dropped_total",
     "ftd_coordinator_detection_latency_seconds", "ftd_coordinator_epoch", "ftd_coordinator_world_size",
     "ftd_coordinator_world_target_size", "ftd_coordinator_spares", "ftd_coordinator_epoch_changes_total",
     "ftd_coordinator_nodes_declared_dead_total", "ftd_coordinator_is_leader", "ftd_coordinator_etcd_errors_total",
