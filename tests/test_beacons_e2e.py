@@ -32,11 +32,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFile]:
         stop(started)
 
 
-def metric(cluster: ClusterFile, name: str) -> float:
-    """The sum of a coordinator counter's samples (every label)."""
-    with urllib.request.urlopen(f"http://{cluster.coordinators[0].info['metrics']}/metrics", timeout=5) as resp:
+def metric(cluster: ClusterFile, name: str, address: str = "") -> float:
+    """The sum of a counter's samples (every label) on the coordinator, or on the process at ``address``."""
+    address = address or cluster.coordinators[0].info["metrics"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def reconnects(cluster: ClusterFile) -> float:
+    return sum(metric(cluster, "ftd_agent_reconnects_total", a.info["metrics"]) for a in cluster.agents)
 
 
 def states(cluster: ClusterFile) -> dict[str, int]:
@@ -99,6 +104,7 @@ def test_nodes_beacon_and_their_streams_go_quiet(cluster: ClusterFile) -> None:
     wait_for(lambda: metric(cluster, "ftd_coordinator_beacons_accepted_total") > 18, 10, "beacons accepted")
     beacons0 = metric(cluster, "ftd_coordinator_beacons_accepted_total")
     stream0 = metric(cluster, "ftd_coordinator_heartbeats_received_total")
+    reconnects0 = reconnects(cluster)
     started = time.monotonic()
     wait_for(lambda: time.monotonic() - started >= 3.0, 5, "a 3 s window", interval_s=0.2)  # a keepalive at most
     window = time.monotonic() - started
@@ -107,6 +113,9 @@ def test_nodes_beacon_and_their_streams_go_quiet(cluster: ClusterFile) -> None:
     assert beacons >= 1.5, f"{beacons:.2f} beacons per node per second (one every 0.5 s expected)"
     assert stream <= 0.6, f"{stream:.2f} stream messages per node per second (2 without beacons)"
     assert metric(cluster, "ftd_coordinator_beacons_dropped_total") == 0
+    # quiet streams with answers every keepalive: no agent took the quiet for a gone leader (3 s timeout)
+    wait_for(lambda: time.monotonic() - started >= 7.5, 6, "past two keepalives", interval_s=0.2)
+    assert reconnects(cluster) == reconnects0
     assert all(s == cluster_pb2.NODE_STATE_ALIVE for s in states(cluster).values())
 
 
