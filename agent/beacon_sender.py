@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftd import beacons
-from ftd.v1 import coordinator_pb2
+from ftd.v1 import cluster_pb2, coordinator_pb2
 
 log = logging.getLogger("ftd.agent")
 
@@ -39,14 +39,25 @@ class StreamState:
     epoch: int = -1
     verdict: tuple[bool, str] | None = None
     progress: object = None  # the Progress object last sent (a new report is a new object)
+    events: tuple[object, ...] = ()  # :func:`progress_events` of the last message
     confirmed: bool = False  # the leader has accepted a beacon sent after ``mark``
     mark: int = 0  # beacon seq the leader's beacon_seq_seen must pass to confirm them
     probed: bool = False  # a probe waits for its answer
 
 
+def progress_events(progress: cluster_pb2.Progress) -> tuple[object, ...]:
+    """What in a progress report is news the leader acts on at once, not a step's routine: a step
+    anomaly (a rollback gathers them), a parked step (a hand-over waits for it), a restore."""
+    return (progress.anomaly.SerializeToString() if progress.HasField("anomaly") else b"",
+            progress.parked_step if progress.HasField("parked_step") else None,
+            progress.restored.SerializeToString() if progress.HasField("restored") else b"")
+
+
 def stream_due(now: float, beaconing: bool, state: StreamState, epoch: int, verdict: tuple[bool, str] | None,
-               progress: object, memory_changed: bool, policy: StreamPolicy) -> str | None:
-    """Why the stream needs a message now (None: the beacons say enough). Called every ``interval_s``."""
+               progress: object, memory_changed: bool, policy: StreamPolicy,
+               events: tuple[object, ...] = ()) -> str | None:
+    """Why the stream needs a message now (None: the beacons say enough). Called every ``interval_s``;
+    ``events``: :func:`progress_events` of ``progress``."""
     if state.sent_at is None:
         return "first message of the stream"
     if not beaconing:
@@ -59,6 +70,8 @@ def stream_due(now: float, beaconing: bool, state: StreamState, epoch: int, verd
         return "epoch changed"
     if verdict != state.verdict:
         return "health verdict changed"
+    if events != state.events:
+        return "training event (a step anomaly, a parked step or a restore)"
     if (memory_changed or progress is not state.progress) and now - state.progress_at >= policy.progress_interval_s:
         return "memory report changed" if memory_changed else "training progress"  # (a step's news, rate-limited)
     if now - state.sent_at >= policy.keepalive_s:

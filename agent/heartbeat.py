@@ -26,7 +26,7 @@ from ftd.client import CoordinatorClient
 from ftd.rpc import parse_hostport, rpc_code, rpc_details
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from .beacon_sender import BeaconSender, StreamPolicy, StreamState, confirm, stream_due
+from .beacon_sender import BeaconSender, StreamPolicy, StreamState, confirm, progress_events, stream_due
 
 log = logging.getLogger("ftd.agent")
 
@@ -186,12 +186,14 @@ class Session:
             verdict = (health.verdict.healthy, health.verdict.reason) if health.HasField("verdict") else None
             beaconing = self.beacons is not None and self.beacons.aimed
             memory_changed = self.memory_changed()
+            events = progress_events(progress)
             with self._stream_lock:
-                due = stream_due(now, beaconing, state, epoch, verdict, progress, memory_changed, self.policy)
+                due = stream_due(now, beaconing, state, epoch, verdict, progress, memory_changed, self.policy, events)
                 if due is not None:
                     if progress is not state.progress or memory_changed:
                         state.progress_at = now
                     state.sent_at, state.epoch, state.verdict, state.progress = now, epoch, verdict, progress
+                    state.events = events
                     state.probed = False
             if due is not None:
                 if beaconing:

@@ -16,7 +16,14 @@ import pytest
 from controller_harness import Clock, cluster, make
 
 from ftd import beacons
-from ftd.agent.beacon_sender import BeaconSender, StreamPolicy, StreamState, confirm, stream_due
+from ftd.agent.beacon_sender import (
+    BeaconSender,
+    StreamPolicy,
+    StreamState,
+    confirm,
+    progress_events,
+    stream_due,
+)
 from ftd.agent.heartbeat import Identity, Session
 from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, admit, probe_due
 from ftd.coordinator.detector import DetectorSettings, Liveness, State, judge
@@ -211,6 +218,9 @@ def test_with_confirmed_beacons_the_stream_carries_changes_and_keepalives_only()
     assert due(10.5, memory=True) is None  # the step's memory report: rate-limited like its progress
     assert due(11.0, memory=True) == "memory report changed"
     assert due(10.5, progress=newer) is None  # a new step, but within progress_interval_s of the last
+    anomaly = cluster_pb2.Progress(step=7, anomaly=cluster_pb2.StepAnomaly(step=7, rank=1, kind="nan"))
+    assert stream_due(10.5, True, state, 3, (True, ""), anomaly, False, POLICY,
+                      progress_events(anomaly)) == "training event (a step anomaly, a parked step or a restore)"
     assert due(11.0, progress=newer) == "training progress"
 
 
