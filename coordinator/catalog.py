@@ -318,8 +318,10 @@ class CatalogKeeper:
         if cached is not None and cached[0] == key:
             return cached[1]
         durable = [r for (j, _), r in view.catalog.items() if j == job]
+        state = view.jobs.get(job)
+        suspect = (state.suspect_from, state.suspect_unix_s) if state is not None and state.suspect_from >= 0 else None
         merged = self.memory.records(job, durable, view.rollbacks.get(job),
-                                     lambda epoch, round_: self.held(job, epoch, round_))
+                                     lambda epoch, round_: self.held(job, epoch, round_), suspect)
         if len(self._merged) >= MAX_JOB_SERIES:
             self._merged.clear()
         self._merged[job] = (key, merged)

@@ -420,9 +420,14 @@ class MemoryLedger:
         return set(self._index)
 
     def records(self, job: str, durable: Sequence[rules.CheckpointRecord], rollback: rules.Rollback | None,
-                held: Callable[[int, int | None], int | None]) -> list[rules.CheckpointRecord]:
-        """:func:`merge` of the job's durable records with its memory snapshots."""
+                held: Callable[[int, int | None], int | None],
+                suspect: tuple[int, float] | None = None) -> list[rules.CheckpointRecord]:
+        """:func:`merge` of the job's durable records with its memory snapshots. ``suspect``: (first
+        step, unix time) of a rollback past a step anomaly: snapshots of those steps saved before it
+        do not count (their durable twins are marked suspect in etcd)."""
         snaps = self.snapshots(job)
+        if suspect is not None:
+            snaps = [s for s in snaps if s.step < suspect[0] or s.created >= suspect[1]]
         if not snaps:
             return sorted(durable, key=lambda r: r.step)
         invalid = {s: why for (j, s), why in self.invalid.items() if j == job}

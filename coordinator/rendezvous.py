@@ -56,6 +56,11 @@ class JobState:
     rollbacks: int = 0  # rollbacks past a step anomaly (coordinator/rollback_rules.py), not restarts
     last_rollback: str = ""  # the key of the anomaly the last rollback answered (Seen.key)
     skip_until: int = -1  # with skip_batches: the restored job skips the data of the steps up to this one
+    # The last rollback past a step anomaly: the first suspect step and when (leader's wall clock). A memory
+    # snapshot of a step from it on saved before then is suspect too: it has no etcd record to mark, and a
+    # new leader learns it again from the agents' reports (coordinator/memory_ledger.py).
+    suspect_from: int = -1
+    suspect_unix_s: float = 0.0
     joined: tuple[str, ...] = ()  # the members answered READY in this round (it formed once every one is)
     created_by: str = ""  # the node whose join created the job (a node creates at most MAX_JOBS_PER_NODE)
     created_unix_s: float = 0.0
@@ -174,12 +179,14 @@ def stall_restart(now_unix: float, state: JobState, reason: str) -> JobState:
     return _advance(now_unix, state, state.epoch, state.members, reason, failure=True)
 
 
-def rolled_back(now_unix: float, state: JobState, key: str, reason: str, skip_until: int = -1) -> JobState:
+def rolled_back(now_unix: float, state: JobState, key: str, reason: str, skip_until: int = -1,
+                suspect_from: int = -1) -> JobState:
     """A rollback past a bad step: a new round of the same members (every rank restarts from the
     newest checkpoint not marked suspect), counted against the rollback budget, not the restart
-    budget."""
+    budget. ``suspect_from``: the first suspect step (its checkpoints and later ones saved until now)."""
     new = _advance(now_unix, state, state.epoch, state.members, reason, failure=False)
-    return replace(new, rollbacks=state.rollbacks + 1, last_rollback=key, skip_until=skip_until)
+    return replace(new, rollbacks=state.rollbacks + 1, last_rollback=key, skip_until=skip_until,
+                   suspect_from=suspect_from, suspect_unix_s=now_unix if suspect_from >= 0 else 0.0)
 
 
 def set_store(state: JobState, round_: int, node_id: str, address: str) -> tuple[JobState, str]:

@@ -140,7 +140,9 @@ class RollbackKeeper:
             if job is None:
                 self.pending.pop(job_name, None)
                 return "declined"
-            records = [r for (j, _), r in view.catalog.items() if j == job_name]
+            # The plan sees memory-only steps too (a job may checkpoint to memory only between persists);
+            # only the durable records are marked suspect in etcd, the memory ones by JobState.suspect_from.
+            records = self.catalog.merged(job_name)
             plan, why = rules.rollback_due(pending, job, records, self.config, self.catalog.unreachable(job_name))
             if plan is None:
                 self.pending.pop(job_name, None)
@@ -167,9 +169,11 @@ class RollbackKeeper:
             marked: list[catalog_rules.CheckpointRecord] = []
         else:
             skip = plan.first_bad if self.config.skip_batches else -1
-            after = job_rules.rolled_back(self.wall(), job, plan.anomaly.key, plan.reason, skip)
+            after = job_rules.rolled_back(self.wall(), job, plan.anomaly.key, plan.reason, skip, plan.first_bad)
             why = rules.suspect_reason(plan)
-            marked = [replace(r, invalid_reason=why) for r in records if r.step in set(plan.suspects)]
+            durable = self.state.require_leader().catalog
+            marked = [replace(durable[(r.job, r.step)], invalid_reason=why) for r in records
+                      if r.step in set(plan.suspects) and (r.job, r.step) in durable]
         puts = {job_rules.key(after.job): job_rules.encode(after)}
         for record in marked:
             puts.update(catalog_rules.encode(record, []))

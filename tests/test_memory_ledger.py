@@ -154,6 +154,22 @@ def test_a_rollbacks_removed_steps_and_held_steps_count_no_memory_copy() -> None
     assert [r.step for r in ledger.merge([], after, held=lambda epoch, round_: 13)] == [12]
 
 
+def test_after_a_step_anomaly_rollback_memory_snapshots_of_suspect_steps_saved_before_it_do_not_count() -> None:
+    """The demo's NaN rollback: the ranks ran on past the bad step before the rollback; their memory
+    snapshots of those steps have no etcd record to mark suspect, JobState.suspect_from covers them."""
+    book = ledger.MemoryLedger()
+    for saved in (9, 12):  # created at 59 and 62 s (a node keeps the newest two per rank)
+        for s in pair(saved):
+            book.add(s)
+
+    def no_hold(epoch: int, round_: int | None) -> None:
+        return None
+
+    assert [r.step for r in book.records(JOB, [], None, no_hold)] == [9, 12]
+    assert [r.step for r in book.records(JOB, [], None, no_hold, suspect=(10, 100.0))] == [9]
+    assert [r.step for r in book.records(JOB, [], None, no_hold, suspect=(10, 60.0))] == [9, 12]  # 12: after it
+
+
 def test_readiness_waits_for_every_alive_node_until_the_deadline() -> None:
     assert ledger.readiness(100.0, 99.0, 4.0, ["a", "b"], ["a"]) == ledger.Readiness(waiting=("b",), left_s=3.0)
     assert ledger.readiness(104.0, 99.0, 4.0, ["a", "b"], ["a"]) == ledger.Readiness(late=("b",))
