@@ -261,6 +261,12 @@ class _Node:
     async def _commit_rpcs(self, step: int) -> None:
         """The per-rank RPCs of one step on the rpc path: own ranks' commits, then, as a buddy's replica
         lands a moment later, the mirrored ranks' copies of the same step."""
+        try:
+            await self._commit_rpcs_of(step)
+        except Exception as exc:
+            self.tally.count("memory-rpc", exc)
+
+    async def _commit_rpcs_of(self, step: int) -> None:
         stub = self._stub()
         now = time.time()
         if self.node_id in self.position:  # a spare trains nothing but keeps replicas

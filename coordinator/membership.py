@@ -516,7 +516,9 @@ class Membership:
             if verdict.state is State.SUSPECT and not judgement.stalled:  # a stall: silences are not evidence
                 self._probe(node_id, view.liveness[node_id].last_seen, now)
             if before is None or before.state is not verdict.state:
-                changed = True
+                # The buddy ring leaves out only dead and fenced nodes: a suspect coming and going (a
+                # late beacon under load) changes nothing there, and the ring costs O(nodes) to rebuild.
+                changed = changed or before is None or State.DEAD in (before.state, verdict.state)
                 if before is not None or verdict.state is not State.ALIVE:
                     node = view.nodes.get(node_id)
                     if node is not None and not node.fenced:

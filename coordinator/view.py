@@ -113,12 +113,14 @@ class ClusterView:
         """The cluster's training job (one per ftd cluster): among the open ones, the one the most
         members of the world joined in its current round, then the oldest; else the last closed. Not
         the first by name: a job a node made up must not become the one every assignment names."""
-        world = set(self.world.ranks)
+        open_jobs = [j for j in self.jobs.values() if not j.closed]
+        if len(open_jobs) == 1:  # the usual case, asked on every heartbeat answer: no O(world) work
+            return open_jobs[0]
+        rank = self._rank
 
         def weight(j: rendezvous.JobState) -> tuple[int, float, str]:
-            return len(world.intersection(j.joined)), -j.created_unix_s, j.job
+            return sum(1 for n in j.joined if n in rank), -j.created_unix_s, j.job
 
-        open_jobs = [j for j in self.jobs.values() if not j.closed]
         if open_jobs:
             return max(open_jobs, key=weight)
         return max(self.jobs.values(), key=lambda j: j.round, default=None)
