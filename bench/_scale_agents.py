@@ -184,6 +184,7 @@ class _Node:
         beacons = plan.path == "beacons"
         last_step, last_stream = -1, 0.0
         first = True
+        began, ticks = time.time(), 0
         try:
             while time.time() < plan.stop_at:
                 now = time.time()
@@ -224,7 +225,8 @@ class _Node:
                     last_stream = now
                 first = False
                 last_step = step
-                await asyncio.sleep(1.0 / plan.hz)
+                ticks += 1  # a fixed schedule: a slow iteration does not lower the rate
+                await asyncio.sleep(max(0.0, began + ticks / plan.hz - time.time()))
             return "done"
         except (grpc.RpcError, asyncio.CancelledError) as exc:
             if time.time() < plan.stop_at:

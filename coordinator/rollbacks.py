@@ -85,7 +85,7 @@ class RollbackKeeper:
             job = view.jobs.get(job_name)
             if job is None:
                 return "declined"
-            records = [r for (j, _), r in view.catalog.items() if j == job_name]
+            records = self.catalog.merged(job_name)  # memory-only steps too (see _answer)
             plan, why = rules.rollback_due([seen], job, records, self.config, self.catalog.unreachable(job_name))
             if plan is None:
                 self.decision = f"{job_name}: corruption on {', '.join(nodes)} not acted on: {why}"
@@ -96,9 +96,9 @@ class RollbackKeeper:
                     await self._commit(plan, job, records)
                     self.decision = f"{job_name}: {plan.reason}"
                     return "acted"
-                after = replace(job, rollbacks=job.rollbacks + 1, last_rollback=seen.key)
-                why = rules.suspect_reason(plan)
-                marked = [replace(r, invalid_reason=why) for r in records if r.step in set(plan.suspects)]
+                after = replace(job, rollbacks=job.rollbacks + 1, last_rollback=seen.key,
+                                suspect_from=plan.first_bad, suspect_unix_s=self.wall())
+                marked = self._suspects(plan, records)
                 puts = {job_rules.key(after.job): job_rules.encode(after)}
                 for record in marked:
                     puts.update(catalog_rules.encode(record, []))
@@ -117,6 +117,15 @@ class RollbackKeeper:
             log.warning("job %s", text)
             self.wake()
             return "acted"
+
+    def _suspects(self, plan: rules.RollbackPlan,
+                  records: list[catalog_rules.CheckpointRecord]) -> list[catalog_rules.CheckpointRecord]:
+        """The durable records of the plan's suspect steps, marked (etcd keeps the mark); memory-only
+        steps have no record to mark: JobState.suspect_from leaves their snapshots out."""
+        why = rules.suspect_reason(plan)
+        durable = self.state.require_leader().catalog
+        return [replace(durable[(r.job, r.step)], invalid_reason=why) for r in records
+                if r.step in set(plan.suspects) and (r.job, r.step) in durable]
 
     def new_term(self) -> None:
         self.pending.clear()  # a new leader starts from the reports (the job record says what was answered)
@@ -170,10 +179,7 @@ class RollbackKeeper:
         else:
             skip = plan.first_bad if self.config.skip_batches else -1
             after = job_rules.rolled_back(self.wall(), job, plan.anomaly.key, plan.reason, skip, plan.first_bad)
-            why = rules.suspect_reason(plan)
-            durable = self.state.require_leader().catalog
-            marked = [replace(durable[(r.job, r.step)], invalid_reason=why) for r in records
-                      if r.step in set(plan.suspects) and (r.job, r.step) in durable]
+            marked = self._suspects(plan, records)
         puts = {job_rules.key(after.job): job_rules.encode(after)}
         for record in marked:
             puts.update(catalog_rules.encode(record, []))
