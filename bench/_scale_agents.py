@@ -115,19 +115,20 @@ class _Node:
         self.beacon_seq = 0
         self.report_version = 0
         self.endpoint = self.idx % len(plan.endpoints)
-        self.channel: aio.Channel | None = None
+        self.channels: dict[int, aio.Channel] = {}
         self.pending: set[asyncio.Task[None]] = set()
 
     def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
-        if self.channel is None:
+        """A channel per replica, kept (as ftd.client does): moving to another replica costs no new
+        TLS handshake when its channel is up already."""
+        channel = self.channels.get(self.endpoint)
+        if channel is None:
             tls = IdentityFiles(Path(self.plan.pki_dir), "node", self.node_id) if self.plan.pki_dir else None
-            self.channel = rpc.aio_channel(self.plan.endpoints[self.endpoint], OPTIONS, tls=tls)
-        return coordinator_pb2_grpc.CoordinatorStub(self.channel)
+            channel = self.channels[self.endpoint] = rpc.aio_channel(self.plan.endpoints[self.endpoint], OPTIONS,
+                                                                     tls=tls)
+        return coordinator_pb2_grpc.CoordinatorStub(channel)
 
     async def _next_endpoint(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-        self.channel = None
         self.endpoint = (self.endpoint + 1) % len(self.plan.endpoints)
 
     def step(self, now: float) -> int:
@@ -228,7 +229,7 @@ class _Node:
                 ticks += 1  # a fixed schedule: a slow iteration does not lower the rate
                 await asyncio.sleep(max(0.0, began + ticks / plan.hz - time.time()))
             return "done"
-        except (grpc.RpcError, asyncio.CancelledError) as exc:
+        except (grpc.RpcError, asyncio.CancelledError, asyncio.InvalidStateError) as exc:  # the last: call over
             if time.time() < plan.stop_at:
                 self.tally.count("heartbeat", exc)
             return "retry"
@@ -299,8 +300,8 @@ async def _simulate(plan: Plan, ids: list[str], out: Any) -> None:
     nodes = [_Node(plan, n, tally, udp, positions) for n in ids]
     await asyncio.gather(*(node.run() for node in nodes))
     for node in nodes:
-        if node.channel is not None:
-            await node.channel.close()
+        for channel in node.channels.values():
+            await channel.close()
     udp.close()
     tally.sent["nodes_with_mirrors"] = sum(1 for node in nodes if node.mirrors)
     out.put({"died": tally.died, "errors": tally.errors, "kinds": tally.kinds, "sent": tally.sent})

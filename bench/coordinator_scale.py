@@ -79,7 +79,7 @@ def _start_replicas(r: int, etcd: EtcdCluster, work: Path, tag: str, tls_args: l
         ready, log = work / f"coord-{tag}-{rid}.json", work / f"coord-{tag}-{rid}.log"
         proc = _spawn([sys.executable, "-m", "ftd.coordinator.main", "--etcd-endpoints", etcd.endpoints,
                        "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready),
-                       "--log-level", "WARNING", "--failover-grace-s", "2", "--replica-id", rid,
+                       "--log-level", "WARNING", "--replica-id", rid,
                        "--config", str(config), *tls_args], log)
         replicas.append(_Replica(rid, proc, _wait_file(ready, proc, time.monotonic() + 30, log)))
         if i == 0:  # the first replica leads: wait for it before the standbys start
@@ -121,7 +121,9 @@ def _restore_target(address: str, tls: IdentityFiles | None, timeout: float = 10
 
 
 def _has_memory(target: Any) -> bool:
-    return bool(target.found and target.checkpoint.on_tier.get("mem"))
+    """Every rank of the target has a copy in some node's memory (a dead or hung buddy's replica aside:
+    ``on_tier["mem"]``, own and buddy copies of every rank, is reported separately)."""
+    return bool(target.found and all(any(c.tier == "mem" for c in sh.copies) for sh in target.checkpoint.shards))
 
 
 def _restore_latency(address: str, tls: IdentityFiles | None, tries: int = 5) -> dict[str, Any]:
@@ -138,6 +140,7 @@ def _restore_latency(address: str, tls: IdentityFiles | None, tries: int = 5) ->
             "restore_target_ms_max": round(1000 * max(took), 1),
             "restore_target_step": target.checkpoint.step if target.found else None,
             "restore_target_memory": _has_memory(target),
+            "restore_target_on_mem_tier": bool(target.found and target.checkpoint.on_tier.get("mem")),
             "restore_target_mem_copies_min": min((sum(c.tier == "mem" for c in sh.copies)
                                                   for sh in target.checkpoint.shards), default=0),
             "restore_target_reason": target.reason[:160]}
@@ -150,14 +153,15 @@ def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles 
     os.kill(leader.proc.pid, signal.SIGKILL)
     leader.proc.wait(timeout=10)
     others = [r for r in replicas if r is not leader]
-    backwards, first_answer, complete_at, new, refusals = 0, None, None, None, 0
+    backwards, first_answer, complete_at, new, refusals, last_error = 0, None, None, None, 0, ""
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline and complete_at is None:
         for rep in others:
             try:
-                target = _restore_target(rep.address, tls, timeout=2)
+                target = _restore_target(rep.address, tls, timeout=10)  # a first merge of 16,000 ranks under load
             except grpc.RpcError as exc:
-                refusals += rpc.rpc_code(exc) == grpc.StatusCode.UNAVAILABLE
+                refusals += 1
+                last_error = rpc.describe(exc)[:200]
                 continue
             now = time.time()
             first_answer = first_answer or now
@@ -169,7 +173,8 @@ def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles 
         time.sleep(0.05)
     out: dict[str, Any] = {"failover_restore_step_before": before, "failover_went_backwards": backwards,
                            "failover_first_answer_s": _r(first_answer - killed_at) if first_answer else None,
-                           "failover_complete_target_s": _r(complete_at - killed_at) if complete_at else None}
+                           "failover_complete_target_s": _r(complete_at - killed_at) if complete_at else None,
+                           "failover_refusals": refusals, "failover_last_refusal": last_error}
     if new is not None:
         with rpc.channel(new.address, tls=tls) as ch:
             status = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=10)
@@ -278,6 +283,9 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
                                         - e0.get("etcd_mvcc_db_total_size_in_bytes", 0)),
             "leader_cpu_pct": round(100 * leader_cpu / window, 1),
             "leader_cpu_us_per_agent_s": round(1e6 * leader_cpu / (n * window), 1),
+            # A saturated leader delivers a fraction of the heartbeats: its CPU per agent is capped, its
+            # CPU per heartbeat delivered is what serving every agent would take.
+            "leader_cpu_us_per_heartbeat": round(1e6 * leader_cpu / alive, 1) if alive else None,
             "replica_cpu_pct": {r.rid: round(100 * (c1[r.rid] - c0[r.rid]) / window, 1) for r in replicas},
             "tick_mean_ms": round(1000 * tick_sum / ticks, 2) if ticks else None,
             "stalls": m1.get("ftd_coordinator_detector_stalls_total", 0),
@@ -354,7 +362,8 @@ def main() -> None:
             if len(by_path) == 2:
                 old, new = by_path["rpc"], by_path["beacons"]
                 cmp = {"agents": n, "comparison": "beacons / rpc", "transport": old["transport"]}
-                for key in ("leader_cpu_us_per_agent_s", "leader_cpu_pct", "etcd_writes_per_s", "p99_detection_s"):
+                for key in ("leader_cpu_us_per_agent_s", "leader_cpu_us_per_heartbeat", "leader_cpu_pct",
+                            "etcd_writes_per_s", "p99_detection_s"):
                     a, b = old.get(key), new.get(key)
                     cmp[f"ratio_{key}"] = round(b / a, 3) if a and b is not None else None
                 results.append(cmp)
