@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -163,15 +163,18 @@ def abandoned_floor(snaps: Sequence[Snap], durable: Sequence[rules.CheckpointRec
 def merge(durable: Sequence[rules.CheckpointRecord], snaps: Sequence[Snap], rollback: rules.Rollback | None = None,
           held: Callable[[int, int | None], int | None] = lambda epoch, round_: None,
           invalid: Mapping[int, str] | None = None,
-          bad: Mapping[tuple[int, int], Mapping[str, str]] | None = None) -> list[rules.CheckpointRecord]:
-    """The job's records: the durable ones (etcd) with the memory copies of ``snaps`` (one job's, of
-    alive nodes) added, and records built for steps only in memory. The commit-time rules, at merge
-    time: an older timeline's steps the newest abandons are left out (durable ones too: a newer epoch
-    that only saved to memory so far abandons them as its first commit did); a rollback's removed
-    steps saved before it and ``held`` steps (a step anomaly being rolled back: ``held(epoch, round)``
-    the first step not to count) count no memory copy; a copy whose checksum is not the rank's (the
-    durable shard's, else the owner's own snapshot's) does not count. ``invalid``: memory-only steps
-    marked invalid (step -> why); ``bad``: (step, rank) -> {copy key: why} of memory copies found corrupt."""
+          bad: Mapping[tuple[int, int], Mapping[str, str]] | None = None,
+          dead: Collection[str] = ()) -> list[rules.CheckpointRecord]:
+    """The job's records: the durable ones (etcd) with the memory copies of ``snaps`` (one job's) added, and
+    records built for steps only in memory. A snapshot reported by a node now ``dead`` (or fenced) still says
+    what its rank's shard was (as a committed shard did in etcd: a replicated restore reads the step from the
+    other ranks) but adds no copy: its memory died with it. The commit-time rules, at merge time: an older
+    timeline's steps the newest abandons are left out (durable ones too: a newer epoch that only saved to memory
+    so far abandons them as its first commit did); a rollback's removed steps saved before it and ``held`` steps
+    (a step anomaly being rolled back: ``held(epoch, round)`` the first step not to count) count no memory copy;
+    a copy whose checksum is not the rank's (the durable shard's, else the owner's own snapshot's) does not
+    count. ``invalid``: memory-only steps marked invalid (step -> why); ``bad``: (step, rank) -> {copy key: why}
+    of memory copies found corrupt."""
     newest, floor = abandoned_floor(snaps, durable)
     by_step: dict[int, list[Snap]] = {}
     stops: dict[tuple[int, int], int | None] = {}  # (epoch, round) -> held's first step not to count
@@ -193,14 +196,15 @@ def merge(durable: Sequence[rules.CheckpointRecord], snaps: Sequence[Snap], roll
             group.append(s)
     out = {r.step: r for r in durable if not (r.step >= floor and _older(r.epoch, r.round, newest))}
     for step, group in by_step.items():
-        record = _with_memory(out.get(step), group, (invalid or {}).get(step, ""), bad or {})
+        record = _with_memory(out.get(step), group, (invalid or {}).get(step, ""), bad or {}, dead)
         if record is not None:
             out[step] = record
     return [out[s] for s in sorted(out)]
 
 
 def _with_memory(base: rules.CheckpointRecord | None, group: list[Snap], invalid: str,
-                 bad: Mapping[tuple[int, int], Mapping[str, str]]) -> rules.CheckpointRecord | None:
+                 bad: Mapping[tuple[int, int], Mapping[str, str]],
+                 dead: Collection[str] = ()) -> rules.CheckpointRecord | None:
     """One step: ``base`` (durable, or None) with the memory copies of ``group`` added (the newest
     timeline's shape; own snapshots define a missing rank before replicas do). Built in two passes
     without sorting: 16,000 ranks and their replicas take a fraction of a second."""
@@ -220,8 +224,10 @@ def _with_memory(base: rules.CheckpointRecord | None, group: list[Snap], invalid
             checksum = shard.checksum if shard is not None else defined.setdefault(s.rank, s).checksum
             if s.checksum != checksum:
                 continue  # other bytes than the rank's: the copy does not count
-            copies.setdefault(s.rank, set()).add(rules.CopyRef(rules.MEMORY, s.node))
-    if not copies:
+            mem = copies.setdefault(s.rank, set())
+            if s.node not in dead:
+                mem.add(rules.CopyRef(rules.MEMORY, s.node))
+    if not copies or (not any(copies.values()) and all(rank in durable for rank in copies)):
         return None
     shards = dict(durable)
     step = base.step
@@ -375,15 +381,24 @@ class MemoryLedger:
         return set(self._holders.get((job, rank), ()))
 
     def gone(self, view: ClusterView, now: float) -> frozenset[str]:
-        """The dead or fenced nodes, looked at every :data:`STATES_EVERY_S` at most; the reports of
-        those and of unknown nodes are dropped (a node's memory tier dies with it)."""
-        at, seen, gone = self._gone
+        """The dead or fenced nodes, looked at every :data:`STATES_EVERY_S` at most. Their reports stay
+        as the definition of their ranks' shards, with no copy (:func:`merge`'s ``dead``: a node's
+        memory tier dies with it, the shard it committed does not); the reports of nodes the cluster
+        no longer knows are dropped."""
+        at, seen, before = self._gone
         if seen != id(view) or not 0 <= now - at < STATES_EVERY_S:
             gone = frozenset(n for n in view.nodes if view.state_of(n)[0] in GONE)
-            for node in [n for n in (*self.reports, *self.singles) if n in gone or n not in view.nodes]:
+            for node in [n for n in (*self.reports, *self.singles) if n not in view.nodes]:
                 self.forget_node(node)
+            for node in gone - before:  # no longer a holder to list (its report stays, copyless)
+                report = self.reports.get(node)
+                if report is not None:
+                    self._rehold(node, report.snaps, ())
+            if gone != before:
+                self.generation += 1
             self._gone = (now, id(view), gone)
-        return gone
+            return gone
+        return before
 
     def readiness_of(self, view: ClusterView, job: str, now: float, deadline_s: float) -> Readiness:
         """:func:`readiness` for ``job``'s world (its round's members, else every node) known at the
@@ -432,7 +447,7 @@ class MemoryLedger:
             return sorted(durable, key=lambda r: r.step)
         invalid = {s: why for (j, s), why in self.invalid.items() if j == job}
         bad = {(s, r): marks for (j, s, r), marks in self.bad.items() if j == job}
-        return merge(durable, snaps, rollback, held, invalid, bad)
+        return merge(durable, snaps, rollback, held, invalid, bad, self._gone[2])
 
 
 def late_reason(late: Sequence[str], deadline_s: float) -> str:

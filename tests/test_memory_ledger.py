@@ -236,7 +236,7 @@ def test_a_new_leader_never_answers_an_older_step_because_a_report_is_missing() 
     run(go)
 
 
-def test_a_dead_nodes_memory_copies_do_not_count_and_its_report_is_dropped() -> None:
+def test_a_dead_nodes_memory_copies_do_not_count_but_its_shards_stay_defined() -> None:
     async def go() -> None:
         clock = Clock()
         ctl = make(MemoryStore(), clock)
@@ -249,7 +249,12 @@ def test_a_dead_nodes_memory_copies_do_not_count_and_its_report_is_dropped() -> 
         target = cat.restore_target(JOB)
         assert target.checkpoint.step == 12, target.reason  # 13's rank 0 was only in a's memory
         assert {(c.tier, c.location) for c in target.checkpoint.shards[0].copies} == {("mem", "b")}
-        assert "a" not in cat.memory.reports
+        # a's report stays as the definition of its shards, copyless: step 13 is complete (a replicated
+        # restore reads it from rank 1, as it did when the commit was in etcd), rank 0 has no copy
+        thirteen = next(c for c in cat.list(JOB) if c.step == 13)
+        assert len(thirteen.shards) == 2 and not next(s for s in thirteen.shards if s.rank == 0).copies
+        replicated = cat.restore_target(JOB, replicated=True)
+        assert replicated.checkpoint.step == 13, replicated.reason
 
     run(go)
 
