@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -102,6 +103,12 @@ class FileEntry:
     crc32c: str
 
 
+def files_checksum(files: Iterable[FileEntry]) -> str:
+    """One CRC32C over files' names, sizes and CRC32Cs, in order: a shard's checksum (the leader computes
+    it for reported memory snapshots without building a manifest)."""
+    return f"{crc32c.crc32c(''.join(f'{f.name}:{f.size}:{f.crc32c};' for f in files).encode()):08x}"
+
+
 @dataclass(frozen=True)
 class ShardManifest:
     job: str
@@ -120,8 +127,8 @@ class ShardManifest:
 
     @property
     def checksum(self) -> str:
-        """One CRC32C for the shard: over its files' names, sizes and CRC32Cs, in order."""
-        return f"{crc32c.crc32c(''.join(f'{f.name}:{f.size}:{f.crc32c};' for f in self.files).encode()):08x}"
+        """One CRC32C for the shard: :func:`files_checksum` of its files."""
+        return files_checksum(self.files)
 
     def encode(self) -> bytes:
         data = asdict(self)

@@ -24,10 +24,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-import crc32c
-
 from ftd.checkpoints import catalog as rules
-from ftd.checkpoints.layout import MAX_RANK, FileEntry, ShardManifest, check_job
+from ftd.checkpoints.layout import MAX_RANK, FileEntry, ShardManifest, check_job, files_checksum
 from ftd.throttle import LogThrottle
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
@@ -65,11 +63,6 @@ class Snap(NamedTuple):
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
-
-
-def _checksum(files: Iterable[FileEntry]) -> str:
-    """:attr:`ShardManifest.checksum` without building the manifest."""
-    return f"{crc32c.crc32c(''.join(f'{f.name}:{f.size}:{f.crc32c};' for f in files).encode()):08x}"
 
 
 def snap_of(node: str, manifest: ShardManifest, writer: str, replica: bool = False, restored: int | None = None,
@@ -114,7 +107,7 @@ def parse(node: str, m: coordinator_pb2.MemorySnapshot,
     if any(f.size < 0 or len(f.crc32c) != 8 for f in files):
         return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
     return Snap(node, owner if m.replica else node, m.replica, job, step, man.epoch, rank, world, man.format, files,
-                _checksum(files), created, m.restored_step if m.HasField("restored_step") else None, round_,
+                files_checksum(files), created, m.restored_step if m.HasField("restored_step") else None, round_,
                 m.cadence[:200])
 
 
