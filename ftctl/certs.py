@@ -2,6 +2,8 @@
 
     ftctl certs init --cluster prod --pki-dir /etc/ftd/pki
     ftctl certs issue node node-7 --host node-7.example --host 10.0.0.7
+    ftctl certs issue rendezvous node-7 --etcd-client   # only for torchrun --rdzv-backend=etcd-v3
+    ftctl certs rotate rendezvous node-7 --no-etcd-client   # takes etcd away from it again
     ftctl certs rotate coordinator c0          # served to new connections without a restart
     ftctl certs list
     ftctl certs revoke node/node-1 --reason "host compromised"   # refused everywhere within seconds
@@ -66,6 +68,9 @@ def _arguments(certs: argparse.ArgumentParser) -> None:
                          help="a DNS name or IP the identity serves at (repeatable; 127.0.0.1, ::1 and localhost "
                               "always; rotate keeps the old hosts unless given)")
         cmd.add_argument("--days", type=int, default=LEAF_DAYS, help="validity [days] (default %(default)s)")
+        cmd.add_argument("--etcd-client", action=argparse.BooleanOptionalAction, default=None,
+                         help="a rendezvous certificate that etcd admits, for torchrun --rdzv-backend=etcd-v3 (issue: "
+                              "off by default, no certificate a node holds reaches etcd; rotate: as before)")
     rev = add_parser("revoke", help="refuse every call of an identity (or of one certificate, --serial) from now on, "
                                     "on the coordinator and every agent (asks the coordinator)")
     rev.add_argument("identity", nargs="?", metavar="KIND/NAME", help="e.g. node/node-1 (every certificate of it)")
@@ -119,7 +124,7 @@ def _rotate(root: Path, args: argparse.Namespace, connect: Connect | None) -> No
     """Rotates, then revokes the old certificate's serial unless ``--keep-old``: a stolen old pair must
     stop working (issue 20). Without a reachable coordinator the rotation stands and says what to run."""
     old = certificate_info(paths(root, args.kind, args.name)[0])
-    path = rotate(root, args.kind, args.name, args.host, args.days)
+    path = rotate(root, args.kind, args.name, args.host, args.days, getattr(args, "etcd_client", None))
     info = certificate_info(path)
     print(f"{args.kind}/{args.name}: rotated, serial {info['serial']}, until {info['not_after']}")
     if getattr(args, "keep_old", False):
@@ -160,7 +165,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None, connect:
             path = init_ca(root, args.cluster, args.days, force=args.force)
             print(f"CA of cluster {args.cluster}: {path} (keep {root / 'ca.key'} off the nodes)")
         elif args.certs_command == "issue":
-            path = issue(root, args.kind, args.name, args.host or (), args.days)
+            path = issue(root, args.kind, args.name, args.host or (), args.days, etcd_client=args.etcd_client)
             print(f"{args.kind}/{args.name}: {path} (key {paths(root, args.kind, args.name)[1]}, mode 0600)")
         elif args.certs_command == "rotate":
             _rotate(root, args, connect)

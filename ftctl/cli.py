@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="start moto's S3 server as the cold tier (in its own namespace with --isolate; dev extra)")
     up.add_argument("--etcd-members", type=int, default=1,
                     help="members of the embedded etcd (3 survives losing one; default 1)")
+    up.add_argument("--etcd-v3-rendezvous", action="store_true",
+                    help="the nodes' rendezvous certificates may reach etcd, for torchrun --rdzv-backend=etcd-v3 "
+                         "(off by default: no certificate a node holds reaches etcd; docs/security.md)")
     train = up.add_argument_group("training", "a job every agent runs while its node holds a rank")
     train.add_argument("--train-cmd", default="",
                        help="the training script and its arguments ('train.py --lr 1e-3', 'python train.py', "
@@ -354,7 +357,8 @@ def run(argv: Sequence[str], env: dict[str, str]) -> int:
                                   args.racks, args.start_timeout, s3_endpoint=args.s3_endpoint,
                                   s3_bucket=args.s3_bucket, train=train,
                                   shared_hdd=not args.isolate or args.shared_hdd,
-                                  isolate=args.isolate, etcd_members=args.etcd_members, s3=args.s3)
+                                  isolate=args.isolate, etcd_members=args.etcd_members, s3=args.s3,
+                                  etcd_v3_rendezvous=args.etcd_v3_rendezvous)
         print(f"cluster up in {cluster.workdir}: {args.nodes} active + {args.spares} spare nodes, "
               f"etcd {cluster.etcd_endpoints}")
         if train is not None:

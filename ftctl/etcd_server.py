@@ -13,7 +13,8 @@ coordinators (``ftd-coordinator``, root: the leader also keeps etcd's space, and
 defragment) read and write everything, the ``etcd-v3`` rendezvous handlers (``ftd-rendezvous``) their own
 prefixes under ``/torch/elastic/``, and the members' own certificates (``ftd-etcd``) administer etcd. Only
 certificates carrying :data:`ftd.ca.ETCD_CLIENT_HOST` complete the handshake
-(``--client-cert-allowed-hostname``): a node's or an operator's certificate never reaches etcd, whose auth
+(``--client-cert-allowed-hostname``): by default no certificate a node holds reaches etcd (a rendezvous
+certificate only with ``ftctl up --etcd-v3-rendezvous``), nor an operator's, since etcd 3.4's auth
 checks nothing on leases, alarms or compaction. A plaintext client cannot even connect.
 """
 
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import grpc
 
-from ftd.ca import ETCD_CLIENT_HOST, ETCD_CLIENT_KINDS, issue, rotate
+from ftd.ca import ETCD_CLIENT_HOST, ETCD_CLIENT_KINDS, has_etcd_client_name, issue, rotate
 from ftd.identity import IdentityFiles, load_certs, paths
 
 log = logging.getLogger("ftd.etcd_server")
@@ -279,19 +280,13 @@ class EtcdCluster:
 
 
 def renew_without_etcd_name(pki_dir: Path) -> list[Path]:
-    """Certificates of etcd's client kinds issued before etcd admitted clients by name (a re-run of ``ftctl
-    up`` on an older workdir) are rotated, keeping their hosts: etcd would refuse them in the handshake."""
-    from cryptography import x509
-
+    """Coordinator and member certificates issued before etcd admitted clients by name (a re-run of ``ftctl
+    up`` on an older workdir) are rotated, keeping their hosts: etcd would refuse them in the handshake.
+    Rendezvous certificates are :func:`ftd.ca.bootstrap`'s: they reach etcd only where the cluster opts in."""
     renewed = []
     for kind in ETCD_CLIENT_KINDS:
         for crt in sorted(paths(pki_dir, kind, "x")[0].parent.glob("*.crt")):
-            cert = load_certs(crt, f"{kind} certificate")[0]
-            try:
-                names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-            except x509.ExtensionNotFound:
-                continue
-            if ETCD_CLIENT_HOST not in names.get_values_for_type(x509.DNSName):
+            if not has_etcd_client_name(load_certs(crt, f"{kind} certificate")[0]):
                 renewed.append(rotate(pki_dir, kind, crt.stem))
     return renewed
 

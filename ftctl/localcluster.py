@@ -135,6 +135,7 @@ class ClusterFile:
     cluster: str = CLUSTER
     shared_hdd: bool = True  # False: each node's HDD tier is its own (no shared filesystem)
     isolation: dict[str, Any] = field(default_factory=dict)  # the lab (:func:`.isolated.load`); {}: loopback
+    etcd_v3_rendezvous: bool = False  # the nodes' rendezvous certificates reach etcd (torchrun's etcd-v3)
 
     @staticmethod
     def path(workdir: Path) -> Path:
@@ -251,13 +252,16 @@ def up(
     s3: bool = False,
     unmanaged_jobs: bool = False,
     etcd_quota_bytes: int = 0,
+    etcd_v3_rendezvous: bool = False,
 ) -> ClusterFile:
     """Starts the cluster and returns once every agent is alive and the world has ``nodes`` ranks.
     ``isolate``: in the lab that :func:`.isolated.prepare` made for ``workdir`` (run from its ctl host).
     ``etcd_members``: the embedded etcd's size (3 or 5 survive the loss of a member). ``s3``: moto's S3
     server as the cold tier (in the lab host ``s3`` when isolated). ``unmanaged_jobs``: the coordinator
     records checkpoints of jobs that do not rendezvous through ftd (a Checkpointer per rank without
-    torchrun: tests and benchmarks; docs/security.md)."""
+    torchrun: tests and benchmarks; docs/security.md). ``etcd_v3_rendezvous``: the nodes' rendezvous
+    certificates carry etcd's client name, for ``torchrun --rdzv-backend=etcd-v3``; by default no
+    certificate a node holds reaches etcd (docs/security.md#etcd-least-privilege-and-space)."""
     if nodes < 1 or spares < 0 or coordinators < 1 or etcd_members < 1:
         raise ClusterError("need --nodes >= 1, --spares >= 0, --coordinators >= 1 and --etcd-members >= 1")
     if s3 and s3_endpoint:
@@ -288,15 +292,17 @@ def up(
                       *((kind, f"node-{i}", f"node-{i}") for i in range(nodes + spares)
                         for kind in ("node", "rendezvous"))]
         for kind, name, host in identities:
-            issue(pki_dir, kind, name, hosts=[isolated.address(iso, host)], force=True)
+            issue(pki_dir, kind, name, hosts=[isolated.address(iso, host)], force=True,
+                  etcd_client=etcd_v3_rendezvous if kind == "rendezvous" else None)
     else:
         bootstrap(pki_dir, CLUSTER, nodes=[f"node-{i}" for i in range(nodes + spares)],
-                      coordinators=[f"coordinator-{i}" for i in range(coordinators)])
+                  coordinators=[f"coordinator-{i}" for i in range(coordinators)],
+                  etcd_rendezvous=etcd_v3_rendezvous)
         renew_without_etcd_name(pki_dir)  # issued before etcd admitted clients by name
     cluster = ClusterFile(str(workdir), "", etcd_endpoints or "", etcd_endpoints is not None,
                           created_unix_s=time.time(), s3_endpoint=s3_endpoint,
                           s3_bucket=s3_bucket if s3_endpoint else "", pki_dir=str(pki_dir), shared_hdd=shared_hdd,
-                          isolation=iso)
+                          isolation=iso, etcd_v3_rendezvous=etcd_v3_rendezvous)
     try:
         if etcd_endpoints is None:
             if iso:
@@ -386,7 +392,8 @@ def spawn_agent(cluster: ClusterFile, node_id: str, role: str, labels: dict[str,
     The caller waits on the ready file (:func:`wait_agent`)."""
     workdir = Path(cluster.workdir)
     if cluster.pki_dir:  # its agent and rendezvous certificates, unless issued before
-        bootstrap(Path(cluster.pki_dir), cluster.cluster, nodes=[node_id])
+        bootstrap(Path(cluster.pki_dir), cluster.cluster, nodes=[node_id],
+                  etcd_rendezvous=cluster.etcd_v3_rendezvous)
     node_dir = workdir / "nodes" / node_id
     ready = workdir / "run" / f"{node_id}.json"
     log = workdir / "logs" / f"{node_id}.log"

@@ -180,23 +180,53 @@ def _load_ca(pki_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKe
     return ca, key, _ca_cluster(ca, crt_path)
 
 
-# etcd admits only client certificates carrying this DNS SAN (``--client-cert-allowed-hostname``): the
-# coordinators', the rendezvous handlers' and the members' own (under SERVER_DOMAIN: the CA's names, which
-# no ``hosts`` may give and ``cert_hosts`` leaves out). etcd 3.4 checks no permission on leases,
-# alarms or compaction, so a node's or an operator's certificate must not reach it at all (docs/security.md).
+# etcd admits only client certificates carrying this DNS SAN (``--client-cert-allowed-hostname``), under
+# SERVER_DOMAIN (the CA's names, which no ``hosts`` may give and ``cert_hosts`` leaves out). etcd 3.4 checks
+# no permission on leases, alarms or compaction (CVE-2023-32082), so no certificate a node holds carries it
+# by default (docs/security.md): the coordinators' and the members' own always do, a node's rendezvous
+# certificate only when the cluster opts in to torchrun's etcd-v3 rendezvous, a node's agent or an
+# operator's never.
 ETCD_CLIENT_HOST = "etcd-client.ftd.internal"
-ETCD_CLIENT_KINDS = ("coordinator", "rendezvous", "etcd")
+ETCD_CLIENT_KINDS = ("coordinator", "etcd")  # always etcd clients
+ETCD_OPTIONAL_KINDS = ("rendezvous",)  # only with etcd_client=True (torchrun --rdzv-backend=etcd-v3)
+
+
+def etcd_client_name(kind: str, etcd_client: bool | None = None) -> bool:
+    """Whether a ``kind`` certificate carries :data:`ETCD_CLIENT_HOST` (``None``: the kind's default).
+    Refuses what cannot work (a coordinator or a member without it) or must not be (a node's agent or an
+    operator with it: etcd 3.4 would let them keep any lease alive)."""
+    if kind in ETCD_CLIENT_KINDS:
+        if etcd_client is False:
+            raise PkiError(f"{kind} certificates always carry etcd's client name {ETCD_CLIENT_HOST}: "
+                           "without it etcd refuses them")
+        return True
+    if kind in ETCD_OPTIONAL_KINDS:
+        return bool(etcd_client)
+    if etcd_client:
+        raise PkiError(f"{kind} certificates never reach etcd (only coordinators, members and, for torchrun's "
+                       "etcd-v3 rendezvous, rendezvous certificates may carry its client name)")
+    return False
+
+
+def has_etcd_client_name(cert: x509.Certificate) -> bool:
+    """Whether etcd admits ``cert`` as a client (it carries :data:`ETCD_CLIENT_HOST`)."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    return ETCD_CLIENT_HOST in san.get_values_for_type(x509.DNSName)
 
 
 def _sign_leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, cluster: str, kind: str, name: str,
-               hosts: Sequence[str], days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+               hosts: Sequence[str], days: int, etcd_client: bool | None = None,
+               ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = utc_now()
     not_after = min(now + dt.timedelta(days=days), ca.not_valid_after_utc)
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ftd"),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, cluster),
                          x509.NameAttribute(NameOID.COMMON_NAME, f"ftd-{kind}")])
-    etcd = [ETCD_CLIENT_HOST] if kind in ETCD_CLIENT_KINDS else []  # the name etcd admits clients by
+    etcd = [ETCD_CLIENT_HOST] if etcd_client_name(kind, etcd_client) else []  # the name etcd admits clients by
     served = server_name(kind, name)  # the name clients verify this server by (ftd.identity.server_name)
     san = x509.SubjectAlternativeName([x509.UniformResourceIdentifier(spiffe_uri(cluster, kind, name)),
                                        *_host_sans([*hosts, *etcd]), *([x509.DNSName(served)] if served else [])])
@@ -219,10 +249,11 @@ def _sign_leaf(ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, cluster
 
 
 def issue(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] = (), days: int = LEAF_DAYS,
-          force: bool = False) -> Path:
+          force: bool = False, etcd_client: bool | None = None) -> Path:
     """Issues a certificate for ``kind``/``name`` signed by the CA in ``pki_dir``, valid ``days`` (at
-    most until the CA expires), with ``hosts`` (and :data:`DEFAULT_HOSTS`) as DNS/IP SANs. Refuses to
-    replace an existing one unless ``force`` (use :func:`rotate`). Returns the certificate's path."""
+    most until the CA expires), with ``hosts`` (and :data:`DEFAULT_HOSTS`) as DNS/IP SANs, and etcd's
+    client name as :func:`etcd_client_name` decides (a rendezvous certificate only with ``etcd_client``).
+    Refuses to replace an existing one unless ``force`` (use :func:`rotate`). Returns the certificate's path."""
     pki_dir = Path(pki_dir)
     crt_path, key_path = paths(pki_dir, kind, name)
     reserved = [h for h in hosts if h.strip().strip(".").lower().endswith(SERVER_DOMAIN)]
@@ -234,22 +265,26 @@ def issue(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] = (), days: 
     if not force and crt_path.exists():
         raise PkiError(f"{kind} certificate {crt_path} already exists; rotate it with "
                        f"'ftctl certs rotate {kind} {name}'")
+    etcd = etcd_client_name(kind, etcd_client)  # refused before the CA key is read
     ca, ca_key, cluster = _load_ca(pki_dir)
-    key, cert = _sign_leaf(ca, ca_key, cluster, kind, name, hosts, days)
+    key, cert = _sign_leaf(ca, ca_key, cluster, kind, name, hosts, days, etcd)
     _mkdirs(crt_path.parent)
     write_atomic(key_path, _key_pem(key), 0o600)
     write_atomic(crt_path, _cert_pem(cert), 0o644)
-    log.info("issued %s/%s (serial %x, hosts %s) until %s", kind, name, cert.serial_number,
-             ",".join([*DEFAULT_HOSTS, *hosts]), cert.not_valid_after_utc.isoformat())
+    log.info("issued %s/%s (serial %x, hosts %s%s) until %s", kind, name, cert.serial_number,
+             ",".join([*DEFAULT_HOSTS, *hosts]), ", etcd client" if etcd else "", cert.not_valid_after_utc.isoformat())
     return crt_path
 
 
 def bootstrap(pki_dir: Path, cluster: str, nodes: Iterable[str] = (), coordinators: Iterable[str] = (),
-              etcd: Iterable[str] = (), hosts: Sequence[str] = (), days: int = LEAF_DAYS) -> list[Path]:
+              etcd: Iterable[str] = (), hosts: Sequence[str] = (), days: int = LEAF_DAYS,
+              etcd_rendezvous: bool = False) -> list[Path]:
     """What ``ftctl up`` needs, created where missing and kept where present (a re-run issues nothing
     twice): the CA, the default operator, and per node its agent and rendezvous certificates, per
-    coordinator replica and per etcd member one certificate, each for ``hosts`` too. Returns the
-    certificates issued."""
+    coordinator replica and per etcd member one certificate, each for ``hosts`` too. The rendezvous
+    certificates reach etcd only with ``etcd_rendezvous`` (``ftctl up --etcd-v3-rendezvous``); one whose
+    etcd name differs from it is issued again, so a re-run without the flag takes etcd away from the nodes.
+    Returns the certificates issued."""
     pki_dir = Path(pki_dir)
     ca_path = ca_paths(pki_dir)[0]
     if not ca_path.exists():
@@ -259,8 +294,21 @@ def bootstrap(pki_dir: Path, cluster: str, nodes: Iterable[str] = (), coordinato
         raise PkiError(f"the CA in {ca_path} is of cluster {existing!r}, not {cluster!r}")
     wanted = [("operator", DEFAULT_OPERATOR), *(("node", n) for n in nodes), *(("rendezvous", n) for n in nodes),
               *(("coordinator", c) for c in coordinators), *(("etcd", m) for m in etcd)]
-    return [issue(pki_dir, kind, name, hosts, days, force=True) for kind, name in wanted
-            if not paths(pki_dir, kind, name)[0].exists() or _lacks_server_name(pki_dir, kind, name)]
+    etcd_client = {"rendezvous": etcd_rendezvous}
+    return [issue(pki_dir, kind, name, hosts, days, force=True, etcd_client=etcd_client.get(kind))
+            for kind, name in wanted
+            if not paths(pki_dir, kind, name)[0].exists() or _lacks_server_name(pki_dir, kind, name)
+            or (kind == "rendezvous" and _etcd_name_differs(pki_dir, name, etcd_rendezvous))]
+
+
+def _etcd_name_differs(pki_dir: Path, node: str, wanted: bool) -> bool:
+    """A node's rendezvous certificate reaches etcd where the cluster did not opt in (one of an older
+    ftctl, or of a run with ``--etcd-v3-rendezvous``), or does not where it did."""
+    try:
+        cert = load_certs(paths(pki_dir, "rendezvous", node)[0], "rendezvous certificate")[0]
+    except PkiError:
+        return True
+    return has_etcd_client_name(cert) != wanted
 
 
 def _lacks_server_name(pki_dir: Path, kind: str, name: str) -> bool:
@@ -277,14 +325,20 @@ def _lacks_server_name(pki_dir: Path, kind: str, name: str) -> bool:
     return served not in san.get_values_for_type(x509.DNSName)
 
 
-def rotate(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] | None = None, days: int = LEAF_DAYS) -> Path:
-    """A new key and certificate for an existing identity, keeping its hosts unless ``hosts`` is given.
+def rotate(pki_dir: Path, kind: str, name: str, hosts: Sequence[str] | None = None, days: int = LEAF_DAYS,
+           etcd_client: bool | None = None) -> Path:
+    """A new key and certificate for an existing identity, keeping its hosts unless ``hosts`` is given,
+    and whether etcd admits it unless ``etcd_client`` is given (a rendezvous certificate keeps or lacks
+    etcd's client name as before).
     Servers built with :func:`ftd.rpc.add_port` from :class:`~ftd.identity.IdentityFiles` serve it to new
     connections without a restart; clients use it for channels they open afterwards."""
     pki_dir = Path(pki_dir)
     crt_path, _ = paths(pki_dir, kind, name)
     old = load_certs(crt_path, f"{kind} certificate")[0]
-    return issue(pki_dir, kind, name, cert_hosts(old) if hosts is None else hosts, days, force=True)
+    if etcd_client is None and kind in ETCD_OPTIONAL_KINDS:
+        etcd_client = has_etcd_client_name(old)
+    return issue(pki_dir, kind, name, cert_hosts(old) if hosts is None else hosts, days, force=True,
+                 etcd_client=etcd_client)
 
 
 # ---- inspection (ftctl certs list) ---------------------------------------------------------------

@@ -296,8 +296,8 @@ def test_etcd_example_with_mutual_tls_and_the_auth_script(tmp_path: Path) -> Non
     root = tmp_path / "pki"
     init_ca(root, "training-a")
     for kind, name in (("etcd", "etcd-1"), ("coordinator", "c0"), ("rendezvous", "n1"), ("node", "n1"),
-                       ("operator", "alice")):
-        issue(root, kind, name)
+                       ("operator", "alice"), ("rendezvous", "n2")):
+        issue(root, kind, name, etcd_client=True if name == "n1" and kind == "rendezvous" else None)  # etcd-v3
     flags = dict(line.split("=", 1) for line in (UNITS / "etcd.env").read_text().splitlines()
                  if line and not line.startswith("#"))
     client, peer, metrics = free_port(), free_port(), free_port()
@@ -340,7 +340,8 @@ def test_etcd_example_with_mutual_tls_and_the_auth_script(tmp_path: Path) -> Non
                   ("rendezvous", "n1", "defrag")}
         # No etcd client name in the certificate: refused in the TLS handshake, before any call.
         not_clients = {("node", "n1", "get", "/ftd/training-a/leader"),
-                       ("operator", "alice", "put", "/ftd/training-a/leader", "x")}
+                       ("operator", "alice", "put", "/ftd/training-a/leader", "x"),
+                       ("rendezvous", "n2", "put", "/torch/elastic/store/job/k", "x")}  # not opted in
         for kind, name, *args in sorted(ok):
             out = _etcdctl(ctl, root, kind, name, *args)
             assert out.returncode == 0, (kind, args, out.stderr[-300:])

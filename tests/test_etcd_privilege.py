@@ -1,18 +1,22 @@
 """Issue 20's etcd and small findings on real processes: ``ftctl up`` (etcd with a 16 MiB quota, a
 coordinator, 2 agents + a spare, mutual TLS) and node-1's own certificates in the attacker's hands.
 
-* Only certificates that carry etcd's client name (coordinators, rendezvous handlers, members) reach etcd:
-  node-1's node certificate and the operator's cannot grant, list, renew or revoke a lease, nor read the
-  leader key (etcd 3.4 checks no permission on those: docs/security.md).
-* node-1's rendezvous certificate writes only under /torch/elastic/, cannot revoke the leader's lease nor
-  read ftd's keys; its flood fills etcd (NOSPACE), and the leader cleans the run, compacts, defragments and
+* By default no certificate a node holds reaches etcd (only those carrying etcd's client name do: the
+  coordinators' and the members'): node-1's node and rendezvous certificates, and the operator's, are refused
+  in the TLS handshake for every call etcd 3.4 checks no permission on (granting, listing, renewing a lease,
+  its time to live, disarming an alarm, compacting) and for a write under /torch/elastic/; the torchrun
+  etcd-v3 handler says which certificate lacks the name and how to issue one with it.
+* Opted in (``ftctl certs issue rendezvous node-1 --etcd-client``), node-1's rendezvous certificate writes
+  only under /torch/elastic/, cannot revoke the leader's lease nor read ftd's keys (but lists and could renew
+  it: etcd 3.4); its flood fills etcd (NOSPACE), and the leader cleans the run, compacts, defragments and
   disarms the alarm by itself: a node killed afterwards is fenced and replaced.
 * A connection that never starts TLS is closed within seconds; the metrics server answers while 100 idle
   connections are open and closes them after its timeout; what ``ftctl up`` makes is the caller's alone.
-The decisions themselves: tests/test_etcd_space.py."""
+The decisions themselves: tests/test_etcd_space.py; the certificates' names: tests/test_pki.py."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import stat
 import time
@@ -28,8 +32,9 @@ from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from ftd import metrics_http
 from ftd.etcd_client import EtcdTls, make_client
-from ftd.ftctl import drill
+from ftd.ftctl import certs, drill
 from ftd.ftctl.localcluster import ClusterFile, stop, up
+from ftd.identity import IdentityFiles
 from ftd.rpc import client_credentials
 from ftd.waiting import wait_for
 
@@ -48,20 +53,34 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFile]:
         stop(started)
 
 
-def channel(cluster: ClusterFile, kind: str, name: str) -> grpc.Channel:
+@pytest.fixture(scope="module")
+def opted_in(cluster: ClusterFile, tmp_path_factory: pytest.TempPathFactory) -> IdentityFiles:
+    """node-1's rendezvous certificate as a cluster that opts in to torchrun's etcd-v3 rendezvous issues it
+    (``ftctl certs issue ... --etcd-client``, the cluster's CA), in a directory of its own: the cluster's
+    own certificates stay as ``ftctl up`` made them, whatever order the tests run in."""
+    pki = tmp_path_factory.mktemp("etcd-v3-pki")
+    for name in ("ca.crt", "ca.key"):
+        shutil.copy2(Path(cluster.pki_dir) / name, pki / name)
+    assert certs.main(["--pki-dir", str(pki), "issue", "rendezvous", "node-1", "--etcd-client"]) == 0
+    return IdentityFiles(pki, "rendezvous", "node-1")
+
+
+def own(cluster: ClusterFile, kind: str, name: str) -> IdentityFiles:
     files = cluster.identity(kind, name)
     assert files is not None
+    return files
+
+
+def channel(cluster: ClusterFile, files: IdentityFiles) -> grpc.Channel:
     return grpc.secure_channel(cluster.etcd_endpoints.split(",")[0], client_credentials(files))
 
 
-def etcd_as(cluster: ClusterFile, kind: str, name: str) -> Any:
-    files = cluster.identity(kind, name)
-    assert files is not None
+def etcd_as(cluster: ClusterFile, files: IdentityFiles) -> Any:
     return make_client(cluster.etcd_endpoints, timeout_s=5, tls=EtcdTls.of_identity(files))
 
 
 def leader_lease(cluster: ClusterFile) -> int:
-    _, meta = etcd_as(cluster, "coordinator", "coordinator-0").get(LEADER)
+    _, meta = etcd_as(cluster, own(cluster, "coordinator", "coordinator-0")).get(LEADER)
     assert meta is not None and meta.lease_id
     return int(meta.lease_id)
 
@@ -72,41 +91,93 @@ def code_of(call: Any) -> grpc.StatusCode:
     return err.value.code()  # type: ignore[attr-defined,no-any-return]
 
 
-def test_node_and_operator_certificates_do_not_reach_etcd(cluster: ClusterFile) -> None:
-    lease = leader_lease(cluster)
-    for kind, name in (("node", "node-1"), ("operator", "operator")):
-        with channel(cluster, kind, name) as ch:
-            leases, maintenance = rpc_pb2_grpc.LeaseStub(ch), rpc_pb2_grpc.MaintenanceStub(ch)
-            calls = [lambda: leases.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=60), timeout=3),  # noqa: B023
-                     lambda: leases.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=3),  # noqa: B023
-                     lambda: leases.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=lease, keys=True),  # noqa: B023
-                                                    timeout=3),
-                     lambda: list(leases.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease)]),  # noqa: B023
-                                                        timeout=3)),
-                     lambda: maintenance.Alarm(rpc_pb2.AlarmRequest(action=rpc_pb2.AlarmRequest.DEACTIVATE,  # noqa: B023
-                                                                    alarm=rpc_pb2.NOSPACE), timeout=3)]
-            for call in calls:  # refused in the TLS handshake: the certificate lacks etcd's client name
-                assert code_of(call) is grpc.StatusCode.UNAVAILABLE
-    assert leader_lease(cluster) == lease  # the leader's lease is untouched
+def lease_leases(ch: grpc.Channel) -> Any:
+    """etcd 3.4's ``LeaseLeases`` (list every lease), which pyetcd's protos lack: the raw reply."""
+    return ch.unary_unary("/etcdserverpb.Lease/LeaseLeases", request_serializer=lambda raw: raw,
+                          response_deserializer=lambda raw: raw)
 
 
-def test_node_1s_rendezvous_certificate_keeps_to_the_rendezvous_and_leaves_the_leader_alone(
-        cluster: ClusterFile) -> None:
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def unchecked_calls(ch: grpc.Channel, lease: int) -> dict[str, Any]:
+    """What etcd 3.4 checks no permission on (docs/security.md), plus a write under /torch/elastic/."""
+    leases, maintenance, kv = rpc_pb2_grpc.LeaseStub(ch), rpc_pb2_grpc.MaintenanceStub(ch), rpc_pb2_grpc.KVStub(ch)
+    return {
+        "LeaseGrant": lambda: leases.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=60), timeout=3),
+        "LeaseLeases": lambda: lease_leases(ch)(b"", timeout=3),
+        "LeaseKeepAlive": lambda: list(leases.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease)]),
+                                                             timeout=3)),
+        "LeaseTimeToLive": lambda: leases.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=lease, keys=True),
+                                                          timeout=3),
+        "LeaseRevoke": lambda: leases.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=3),
+        "Put /torch/elastic/": lambda: kv.Put(rpc_pb2.PutRequest(key=b"/torch/elastic/store/job/probe", value=b"1"),
+                                              timeout=3),
+        "Alarm disarm": lambda: maintenance.Alarm(rpc_pb2.AlarmRequest(action=rpc_pb2.AlarmRequest.DEACTIVATE,
+                                                                       alarm=rpc_pb2.NOSPACE), timeout=3),
+        "Compact": lambda: kv.Compact(rpc_pb2.CompactionRequest(revision=1), timeout=3),
+    }
+
+
+def handshakes_refused(cluster: ClusterFile) -> int:
+    """How often etcd refused a client certificate without its client name (its member log says why)."""
+    log = Path(cluster.workdir) / "etcd" / "etcd0.log"
+    return log.read_text(errors="replace").count("client certificate authentication failed")
+
+
+def test_no_certificate_a_node_holds_reaches_etcd_by_default(cluster: ClusterFile) -> None:
+    lease, refused = leader_lease(cluster), handshakes_refused(cluster)
+    holders = (("node", "node-1"), ("rendezvous", "node-1"), ("operator", "operator"))
+    for kind, name in holders:
+        with channel(cluster, own(cluster, kind, name)) as ch:
+            for what, call in unchecked_calls(ch, lease).items():
+                assert code_of(call) is grpc.StatusCode.UNAVAILABLE, (kind, what)
+    wait_for(lambda: handshakes_refused(cluster) >= refused + len(holders), 5,
+             "etcd logs each certificate's refusal in the TLS handshake", interval_s=0.1)
+    assert leader_lease(cluster) == lease  # the coordinator still reaches etcd; its lease is untouched
+
+
+def test_the_etcd_v3_handler_names_the_certificate_etcd_would_refuse(cluster: ClusterFile) -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters, RendezvousStateError
+
+    from ftd.training.etcd_v3 import create_handler
+
+    params = RendezvousParameters(backend="etcd-v3", endpoint=cluster.etcd_endpoints, run_id="job", min_nodes=1,
+                                  max_nodes=1, pki_dir=cluster.pki_dir, node_id="node-1")
+    with pytest.raises(RendezvousStateError) as refused:
+        create_handler(params)
+    message = str(refused.value)
+    assert str(own(cluster, "rendezvous", "node-1").cert_path) in message
+    assert "ftctl certs rotate rendezvous node-1 --etcd-client" in message
+
+
+def test_opted_in_node_1s_rendezvous_certificate_keeps_to_the_rendezvous_and_leaves_the_leader_alone(
+        cluster: ClusterFile, opted_in: IdentityFiles) -> None:
     lease = leader_lease(cluster)
-    rendezvous = etcd_as(cluster, "rendezvous", "node-1")
+    rendezvous = etcd_as(cluster, opted_in)
     rendezvous.put("/torch/elastic/store/job/probe", "1")
     assert rendezvous.get("/torch/elastic/store/job/probe")[0] == b"1"
     for call in (lambda: rendezvous.get(LEADER), lambda: rendezvous.put("/ftd/local/world", "{}"),
                  lambda: rendezvous.put("/torch/other", "1"), lambda: rendezvous.delete_prefix("/ftd/")):
         assert code_of(call) is grpc.StatusCode.PERMISSION_DENIED
-    with channel(cluster, "rendezvous", "node-1") as ch:
-        leases = rpc_pb2_grpc.LeaseStub(ch)
+    with channel(cluster, opted_in) as ch:
+        calls = unchecked_calls(ch, lease)
         # etcd revokes a lease only for a user who may write every key attached to it (the leader key).
-        assert code_of(lambda: leases.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=lease), timeout=3)) \
-            is grpc.StatusCode.PERMISSION_DENIED
+        assert code_of(calls["LeaseRevoke"]) is grpc.StatusCode.PERMISSION_DENIED
         maintenance = rpc_pb2_grpc.MaintenanceStub(ch)
         assert code_of(lambda: maintenance.Defragment(rpc_pb2.DefragmentRequest(), timeout=10)) \
             is grpc.StatusCode.UNKNOWN  # "auth: permission denied": defragmenting is root's
+        # What stays open to an opted-in rendezvous certificate on etcd 3.4 (docs/security.md): it lists
+        # every lease, the leader's among them, and may grant its own.
+        assert b"\x08" + varint(lease) in calls["LeaseLeases"]()
+        granted = calls["LeaseGrant"]().ID
+        rpc_pb2_grpc.LeaseStub(ch).LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=granted), timeout=3)
     assert leader_lease(cluster) == lease
 
 
@@ -151,9 +222,9 @@ def test_ftctl_up_and_the_daemons_make_files_only_their_owner_reads(cluster: Clu
 
 
 def test_a_rendezvous_flood_that_fills_etcd_is_cleaned_and_a_killed_node_is_still_replaced(
-        cluster: ClusterFile) -> None:
-    rendezvous = etcd_as(cluster, "rendezvous", "node-1")
-    coordinator = etcd_as(cluster, "coordinator", "coordinator-0")
+        cluster: ClusterFile, opted_in: IdentityFiles) -> None:
+    rendezvous = etcd_as(cluster, opted_in)
+    coordinator = etcd_as(cluster, own(cluster, "coordinator", "coordinator-0"))
     value, written = b"x" * (1024 * 1024), 0
     with pytest.raises(grpc.RpcError) as full:
         for i in range(64):  # 64 MiB: four quotas
@@ -184,17 +255,30 @@ def test_a_rendezvous_flood_that_fills_etcd_is_cleaned_and_a_killed_node_is_stil
     assert result.replacement == "node-2"
 
 
-def test_certificates_issued_before_etcd_admitted_clients_by_name_are_renewed(
+def test_a_rerun_of_ftctl_up_gives_etcd_names_as_the_cluster_asks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A re-run of ``ftctl up`` on an older workdir: its coordinator and rendezvous certificates lack the
-    name etcd now admits clients by, and get new ones (their hosts kept); a node's is left alone."""
+    """A re-run of ``ftctl up`` on an older workdir: coordinator certificates issued before etcd admitted
+    clients by name get it (their hosts kept); a rendezvous certificate that an older ftctl gave it loses it
+    unless the cluster opts in (``--etcd-v3-rendezvous``); a node's is left alone."""
     from ftd import ca
     from ftd.ftctl.etcd_server import renew_without_etcd_name
+    from ftd.identity import load_certs, paths
 
     with monkeypatch.context() as old_ca:
-        old_ca.setattr(ca, "ETCD_CLIENT_KINDS", ())
+        old_ca.setattr(ca, "ETCD_CLIENT_KINDS", ())  # coordinators without etcd's client name
         ca.bootstrap(tmp_path, "local", nodes=["node-0"], coordinators=["c0"])
+    ca.rotate(tmp_path, "rendezvous", "node-0", etcd_client=True)  # as every ftctl before this change did
     node_before = (tmp_path / "nodes" / "node-0.crt").read_bytes()
-    assert sorted(p.parent.name for p in renew_without_etcd_name(tmp_path)) == ["coordinators", "rendezvous"]
+    assert [p.parent.name for p in renew_without_etcd_name(tmp_path)] == ["coordinators"]
     assert renew_without_etcd_name(tmp_path) == []
+    rendezvous = paths(tmp_path, "rendezvous", "node-0")[0]
+
+    def reaches_etcd() -> bool:
+        return ca.has_etcd_client_name(load_certs(rendezvous, "rendezvous certificate")[0])
+
+    assert ca.bootstrap(tmp_path, "local", nodes=["node-0"], coordinators=["c0"]) == [rendezvous]
+    assert not reaches_etcd()
+    assert ca.bootstrap(tmp_path, "local", nodes=["node-0"], etcd_rendezvous=True) == [rendezvous]
+    assert reaches_etcd()
+    assert ca.bootstrap(tmp_path, "local", nodes=["node-0"], etcd_rendezvous=True) == []
     assert (tmp_path / "nodes" / "node-0.crt").read_bytes() == node_before

@@ -14,7 +14,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ftd.ca import bootstrap, init_ca, issue, rotate, serial_of
+from ftd.ca import bootstrap, etcd_client_name, has_etcd_client_name, init_ca, issue, rotate, serial_of
 from ftd.ftctl import certs
 from ftd.identity import (
     KINDS,
@@ -23,6 +23,7 @@ from ftd.identity import (
     PkiError,
     cert_hosts,
     identity_of,
+    load_certs,
     load_identity,
     parse_spiffe,
     spiffe_uri,
@@ -242,3 +243,54 @@ def test_a_certificate_near_its_end_is_warned_about(root: Path, caplog: pytest.L
         load_identity(root, "node", "soon")
     assert "nodes/soon.crt expires in 2 days" in caplog.text
     assert "ftctl certs rotate node soon" in caplog.text
+
+
+# ---- etcd's client name (docs/security.md#etcd-least-privilege-and-space) -----------------------
+
+
+def reaches_etcd(path: Path) -> bool:
+    return has_etcd_client_name(load_certs(path, "certificate")[0])
+
+
+def test_only_coordinators_and_members_reach_etcd_by_default() -> None:
+    assert [k for k in KINDS if etcd_client_name(k)] == ["coordinator", "etcd"]
+    assert etcd_client_name("rendezvous", True) and not etcd_client_name("rendezvous", False)
+    for kind in ("node", "operator"):  # etcd 3.4 would let them keep any lease alive
+        with pytest.raises(PkiError, match=f"{kind} certificates never reach etcd"):
+            etcd_client_name(kind, True)
+    with pytest.raises(PkiError, match="coordinator certificates always carry etcd's client name"):
+        etcd_client_name("coordinator", False)
+
+
+def test_a_rendezvous_certificate_reaches_etcd_only_when_asked_and_rotation_keeps_it(root: Path) -> None:
+    plain, opted = issue(root, "rendezvous", "n1"), issue(root, "rendezvous", "n2", etcd_client=True)
+    assert not reaches_etcd(plain) and reaches_etcd(opted)
+    assert reaches_etcd(issue(root, "coordinator", "c0")) and not reaches_etcd(issue(root, "node", "n1"))
+    assert not reaches_etcd(rotate(root, "rendezvous", "n1")) and reaches_etcd(rotate(root, "rendezvous", "n2"))
+    assert cert_hosts(load_certs(opted, "certificate")[0]) == []  # the CA's name, not a host to keep
+    assert reaches_etcd(rotate(root, "rendezvous", "n1", etcd_client=True))
+    assert not reaches_etcd(rotate(root, "rendezvous", "n1", etcd_client=False))
+
+
+def test_bootstrap_gives_rendezvous_certificates_etcd_only_when_the_cluster_opts_in(tmp_path: Path) -> None:
+    root = tmp_path / "pki"
+    bootstrap(root, "demo", nodes=["node-0"], coordinators=["c0"])
+    assert not reaches_etcd(root / "rendezvous/node-0.crt") and reaches_etcd(root / "coordinators/c0.crt")
+    assert bootstrap(root, "demo", nodes=["node-0"], etcd_rendezvous=True) == [root / "rendezvous/node-0.crt"]
+    assert reaches_etcd(root / "rendezvous/node-0.crt")
+
+
+def test_ftctl_certs_etcd_client_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def ftctl(*argv: str) -> int:
+        return certs.main(["--pki-dir", str(tmp_path / "pki"), *argv])
+
+    assert ftctl("init", "--cluster", "c1") == 0
+    assert ftctl("issue", "rendezvous", "n1", "--etcd-client") == 0
+    assert reaches_etcd(tmp_path / "pki/rendezvous/n1.crt")
+    assert ftctl("rotate", "rendezvous", "n1", "--keep-old") == 0  # keeps it
+    assert reaches_etcd(tmp_path / "pki/rendezvous/n1.crt")
+    assert ftctl("rotate", "rendezvous", "n1", "--keep-old", "--no-etcd-client") == 0
+    assert not reaches_etcd(tmp_path / "pki/rendezvous/n1.crt")
+    assert ftctl("issue", "node", "n1", "--etcd-client") == 1
+    assert "node certificates never reach etcd" in capsys.readouterr().err
+    assert not (tmp_path / "pki/nodes/n1.crt").exists()

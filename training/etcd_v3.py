@@ -16,7 +16,10 @@ torch's ``etcd`` and ``etcd-v2`` backends need the v2 API, which etcd 3.6 remove
 TLS to etcd (:func:`etcd_tls`), as torch's own etcd backend takes it: ``--rdzv-conf ca_cert=CA,
 ssl_cert=CRT,ssl_cert_key=KEY``; or ``--rdzv-conf pki_dir=DIR,node_id=NODE`` (``$FTD_PKI_DIR`` and
 ``$FTD_NODE_ID`` by default) for the node's ``rendezvous/<node_id>`` certificate of the cluster PKI,
-whose CN ``ftd-rendezvous`` is the etcd user that may use ``/torch/elastic/`` and nothing else.
+whose CN ``ftd-rendezvous`` is the etcd user that may use ``/torch/elastic/`` and nothing else. etcd
+admits that certificate only where the cluster opted in (``ftctl up --etcd-v3-rendezvous``, ``ftctl certs
+issue|rotate rendezvous NODE --etcd-client``): by default no certificate a node holds reaches etcd, and
+:func:`etcd_tls` says so instead of failing in the TLS handshake (docs/security.md).
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
+from ftd.ca import ETCD_CLIENT_HOST, has_etcd_client_name
 from ftd.etcd_client import EtcdTls, make_client, next_member
-from ftd.identity import IdentityFiles, PkiError
+from ftd.identity import IdentityFiles, PkiError, load_certs
 
 T = TypeVar("T")
 BACKEND = "etcd-v3"
@@ -238,9 +242,21 @@ def etcd_tls(params: RendezvousParameters) -> EtcdTls | None:
     try:
         files = IdentityFiles(Path(pki_dir), "rendezvous", str(node_id))
         files.load()
+        admitted = has_etcd_client_name(load_certs(files.cert_path, "rendezvous certificate")[0])
     except PkiError as exc:
         raise ValueError(str(exc)) from exc
+    if not admitted:
+        raise ValueError(not_an_etcd_client(files.cert_path, str(node_id)))
     return EtcdTls.of_identity(files)
+
+
+def not_an_etcd_client(cert_path: Path, node_id: str) -> str:
+    """Why etcd would refuse ``cert_path`` in the handshake, and how to issue one it admits."""
+    return (f"the rendezvous certificate {cert_path} does not carry etcd's client name {ETCD_CLIENT_HOST}, so "
+            "etcd refuses it in the TLS handshake (by default no certificate a node holds reaches etcd: "
+            "docs/security.md); for --rdzv-backend=etcd-v3 re-issue it with 'ftctl certs rotate rendezvous "
+            f"{node_id} --etcd-client' (a local cluster: 'ftctl up --etcd-v3-rendezvous'), or use "
+            "--rdzv-backend=ftd, which needs no etcd")
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
