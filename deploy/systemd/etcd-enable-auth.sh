@@ -17,8 +17,9 @@
 #   ftd-rendezvous   role ftd-rendezvous: read-write on /torch/elastic/rendezvous/ (the etcd-v3 rendezvous
 #                    state) and /torch/elastic/store/ (its c10d store), nothing of ftd's
 # Node, operator and any other certificates of the CA map to no user; etcd refuses them in the TLS
-# handshake already (--client-cert-allowed-hostname=etcd-client.ftd.internal, a name only coordinator,
-# rendezvous and etcd certificates carry): etcd checks no permission on leases or alarms (docs/security.md).
+# handshake already (--client-cert-allowed-hostname=etcd-client.ftd.internal, a name only coordinator and
+# etcd certificates carry, and rendezvous certificates issued with --etcd-client for torchrun's etcd-v3
+# rendezvous): etcd checks no permission on leases or alarms (docs/security.md).
 #
 # Needs etcdctl (3.4+: user add --no-password) as $ETCDCTL_BIN or on PATH, and a certificate with CN
 # ftd-etcd (or a root user's credentials) once auth is on. Waits up to WAIT_S seconds (default 600) for
