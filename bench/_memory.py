@@ -247,13 +247,17 @@ def step_overhead(args: argparse.Namespace, agent_socket: str, record: Callable[
             for i in range(args.overhead_steps + 2):
                 if i == 2:
                     cpu = _cpu_s(pids)
+                    each = [_cpu_s([pid]) for pid in pids]
                 took = compute(n)
                 if i >= 2:
                     record("mem_step_without_s", took)
             record("mem_step_cpu_without_s", (_cpu_s(pids) - cpu) / args.overhead_steps)
+            for name, pid, before in zip(("training", "holder_agent", "buddy_agent"), pids, each, strict=False):
+                record(f"mem_step_cpu_without_{name}_s", (_cpu_s([pid]) - before) / args.overhead_steps)
             for i in range(args.overhead_steps + 1):
                 if i == 1:
                     cpu = _cpu_s(pids)
+                    each = [_cpu_s([pid]) for pid in pids]
                 started = time.perf_counter()
                 compute(n)
                 step += 1
@@ -262,6 +266,8 @@ def step_overhead(args: argparse.Namespace, agent_socket: str, record: Callable[
                     record("mem_step_with_s", time.perf_counter() - started)
                     record("mem_save_stall_s", ck.last_blocked_s)
             record("mem_step_cpu_with_s", (_cpu_s(pids) - cpu) / args.overhead_steps)
+            for name, pid, before in zip(("training", "holder_agent", "buddy_agent"), pids, each, strict=False):
+                record(f"mem_step_cpu_with_{name}_s", (_cpu_s([pid]) - before) / args.overhead_steps)
         result = ck.wait()
         assert result is not None and result.ok, result
         ck.close()

@@ -28,6 +28,7 @@ from .base import (
     StorageUnavailable,
     crc32c_file,
     crc32c_hex,
+    crc32c_mapped,
     validate_key,
 )
 from .local import LocalBackend, LocalStaging
@@ -71,6 +72,7 @@ __all__ = [
     "TierSpec",
     "crc32c_file",
     "crc32c_hex",
+    "crc32c_mapped",
     "open_backend",
     "open_tier",
     "open_tiers",

@@ -412,3 +412,17 @@ def test_the_fast_path_moves_a_copy_sealed_and_checked(tmp_path: Path) -> None:
         assert not (tmp_path / "bad" / "state.pt").exists()
     finally:
         server.close()
+
+
+def test_the_memory_tier_hashes_staged_files_from_their_mapped_pages(tmp_path: Path) -> None:
+    """Same CRC32C as the buffered read, empty files included; the manifest is what restores check."""
+    from ftd.storage_backends import LocalBackend, crc32c_file
+
+    tier = MemoryTier(tmp_path / "mem")
+    staging = tier.stage("job/step-000000000001/rank-00000")
+    (staging.local_dir() / "state.pt").write_bytes(bytes(range(256)) * 4099)
+    (staging.local_dir() / "empty").write_bytes(b"")
+    got = {o.key: o.crc32c for o in staging.objects()}
+    assert got == {n: crc32c_file(staging.local_dir() / n) for n in ("empty", "state.pt")}
+    assert MemoryTier.hash_file is not LocalBackend.hash_file
+    staging.abort()

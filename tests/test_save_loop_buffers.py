@@ -59,3 +59,38 @@ def test_a_slow_commit_never_lets_a_later_snapshot_overwrite_a_shard_still_being
         path = tmp_path / "ssd" / "job" / f"step-{step:012d}" / "rank-00000" / "state.pt"
         saved = torch.load(path, weights_only=True)["w"]
         assert torch.all(saved == value), f"step {step}'s shard holds {saved.unique().tolist()}, not {value}"
+
+
+def test_shards_carry_no_zip_crc32_and_the_switch_is_restored_after_the_last_writer(tmp_path: Path) -> None:
+    """torch.save's per-record CRC32 is a third of a snapshot's write and torch.load never reads
+    it; ftd's CRC32C covers the file. The switch is process-wide: shared by count, restored after."""
+    import zipfile
+
+    from torch.utils.serialization import config
+
+    from ftd.training.save_loop import _ZipCrc
+
+    def data_crcs(path: Path) -> list[int]:
+        return [i.CRC for i in zipfile.ZipFile(path).infolist() if "/data/" in i.filename]
+
+    assert config.save.compute_crc32
+    with _ZipCrc.off():
+        with _ZipCrc.off():
+            assert not config.save.compute_crc32
+        assert not config.save.compute_crc32, "one writer is still writing"
+    assert config.save.compute_crc32
+    torch.save({"w": torch.arange(8.0)}, tmp_path / "user.pt")  # the user's own saves keep theirs
+    assert all(data_crcs(tmp_path / "user.pt"))
+
+    agent = SlowFirstCommit()
+    agent.release.set()
+    ssd = open_tier(TierSpec("ssd", "node-0", LocalSpec(tmp_path / "ssd")))
+    loop = SaveLoop("job", 0, 1, 1, "torch", agent, ssd, None)  # type: ignore[arg-type]
+    try:
+        assert loop.save(1, {"w": torch.arange(8.0)}).result(timeout=30).ok
+    finally:
+        loop.close()
+    shard = tmp_path / "ssd" / "job" / f"step-{1:012d}" / "rank-00000" / "state.pt"
+    assert data_crcs(shard) == [0]
+    assert torch.equal(torch.load(shard, weights_only=True)["w"], torch.arange(8.0))
+    assert config.save.compute_crc32

@@ -79,6 +79,20 @@ def test_a_torch_format_file_holds_the_state_not_the_arena(tmp_path: Path) -> No
     assert owning_storages(whole)["w"].untyped_storage().nbytes() == 4 << 20
 
 
+def test_snapshot_buffers_own_their_storage_so_no_writer_clones_them() -> None:
+    """torch.save and DCP's writer clone a tensor whose storage is larger than it (a view): each
+    buffer has a storage of exactly its bytes over the arena, so a save writes from the arena itself."""
+    snap = Snapshotter()
+    state = {"a": torch.randn(1000), "b": torch.randn(10, 7).to(torch.bfloat16), "c": torch.arange(5)}
+    out = snap.snapshot(state)
+    for key, t in out.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
+        assert owning_storages(out)[key].data_ptr() == t.data_ptr(), f"{key} was cloned"
+        assert torch.equal(t, state[key])
+    snap.reserve(snap.reserved_bytes * 4)  # a new arena: the old snapshot's buffers keep theirs alive
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
 def test_reserve_and_prepare_take_the_allocation_out_of_the_save() -> None:
     snap = Snapshotter()
     assert snap.reserve(1 << 20) > 0 and snap.reserved_bytes == 1 << 20

@@ -12,13 +12,12 @@ the error names the step, rank and tensor. :mod:`.restore` and :mod:`.reshard` b
 
 from __future__ import annotations
 
-import mmap
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftd.storage_backends.base import Crc32c, crc32c_file
+from ftd.storage_backends.base import crc32c_file, crc32c_mapped
 
 Expected = Mapping[str, tuple[int, str]]  # file name -> (size, crc32c), from the catalog
 
@@ -86,18 +85,6 @@ class Missed:
 
     problems: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-
-
-def crc32c_mapped(path: Path) -> str:
-    """CRC32C of a file in memory (the memory tier's tmpfs): hashed straight from its mapped pages,
-    no read into a buffer (9 GB/s here, against 1.8 GB/s through :func:`crc32c_file`'s reads)."""
-    c = Crc32c()
-    with open(path, "rb") as f:
-        if f.seek(0, 2) == 0:
-            return c.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            c.update(memoryview(mapped))  # mmap is a buffer
-    return c.hexdigest()
 
 
 __all__ = ["CorruptCopy", "Expected", "IncompatibleCheckpoint", "Missed", "RestoreError", "SkippedCopy",
