@@ -182,10 +182,10 @@ def _load_ca(pki_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKe
 
 # etcd admits only client certificates carrying this DNS SAN (``--client-cert-allowed-hostname``), under
 # SERVER_DOMAIN (the CA's names, which no ``hosts`` may give and ``cert_hosts`` leaves out). etcd 3.4 checks
-# no permission on leases, alarms or compaction (CVE-2023-32082), so no certificate a node holds carries it
-# by default (docs/security.md): the coordinators' and the members' own always do, a node's rendezvous
-# certificate only when the cluster opts in to torchrun's etcd-v3 rendezvous, a node's agent or an
-# operator's never.
+# no permission on leases, alarms or compaction (and names any lease's keys before 3.4.26: CVE-2023-32082), so
+# no certificate a node holds carries it by default (docs/security.md): the coordinators' and the members'
+# own always do, a node's rendezvous certificate only when the cluster opts in to torchrun's etcd-v3
+# rendezvous, a node's agent or an operator's never.
 ETCD_CLIENT_HOST = "etcd-client.ftd.internal"
 ETCD_CLIENT_KINDS = ("coordinator", "etcd")  # always etcd clients
 ETCD_OPTIONAL_KINDS = ("rendezvous",)  # only with etcd_client=True (torchrun --rdzv-backend=etcd-v3)
