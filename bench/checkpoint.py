@@ -17,8 +17,10 @@ The memory tier (``--memory-only`` for just these): a second cluster whose node 
 tmpfs (``--mem-dir``, default /dev/shm) with node-0 (rack r0), node-1 (r1) and a spare. Per round:
 a memory snapshot on node-0 (``mem_snapshot_blocked_s``: the training loop's stall;
 ``mem_write_commit_s``: torch.save into the memory tier, CRC32C, publish, commit), its replication to
-node-1 (``mem_replication_s``/``_gbps``: from the commit until node-1 recorded its copy, polled;
-node-1 pulls it over node-0's bulk port, ``mem_replication_bulk_share`` 1 when it did), raw
+node-1 (``mem_replication_s``/``_gbps``: from the commit until node-1 held and recorded its copy,
+polled on node-0's count, which node-1's answer moves; node-1 pulls it over node-0's bulk port,
+``mem_replication_bulk_share`` 1 when it did; ``mem_replication_visible_s``: until the coordinator's
+catalog lists the copy, which comes with node-1's next heartbeat, every 0.5 s by default), raw
 loopback TCP of the same bytes (``tcp_loopback_gbps``: a plain socket into a buffer touched
 beforehand; ``tcp_loopback_fresh_gbps``: into memory mapped as the bytes come), and a restore by the
 spare, which holds no copy, from node-0's memory (``mem_restore_peer_s``/``_gbps``: catalog, the

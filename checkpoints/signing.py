@@ -158,11 +158,11 @@ def hash_files(directory: Path, names: Iterable[str], threads: int = HASH_THREAD
 
 
 def statement_for(directory: Path, *, job: str, step: int, epoch: int, rank: int, world_size: int, fmt: str,
-                  now: float) -> Statement:
+                  now: float, threads: int = HASH_THREADS) -> Statement:
     """The statement about the shard written into ``directory`` (every file but the manifest and the
     signature)."""
     names = sorted(p.name for p in directory.iterdir() if p.name not in (SIGNATURE, MANIFEST) and p.is_file())
-    return Statement(job, step, epoch, rank, world_size, fmt, hash_files(directory, names), now)
+    return Statement(job, step, epoch, rank, world_size, fmt, hash_files(directory, names, threads), now)
 
 
 def sign_statement(statement: bytes, key_pem: bytes) -> bytes:
