@@ -129,6 +129,12 @@ def worker(args: argparse.Namespace) -> None:
     for trial in range(args.trials):
         saved = ckpt.save(trial, {"app": AppState(model, optim)}, memory=True, durable=False).result()
         assert saved.ok, saved
+        # The agent answers a memory commit at once; the coordinator learns of it with the node's next
+        # heartbeat (soft state): the restore is timed once the target is this step.
+        def target() -> int:
+            return int(ckpt.agent.restore_target(JOB, world_size=dist.get_world_size(), fmt="dcp").checkpoint.step)
+
+        wait_for(lambda: target() == trial, 30, f"step {trial} in the restore target")  # noqa: B023
         dist.barrier()
         fresh, fresh_optim = build()
         app = AppState(fresh, fresh_optim)

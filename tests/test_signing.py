@@ -5,6 +5,7 @@ restore refusing such a copy on real processes: tests/test_signed_shards.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -67,7 +68,7 @@ def test_a_shard_signed_by_the_writer_verifies(pki: tuple[Path, Path], tmp_path:
 def test_tampered_bytes_are_refused_even_with_the_size_kept(pki: tuple[Path, Path], tmp_path: Path) -> None:
     expected = write_shard(tmp_path, pki[0], "node-0")
     (tmp_path / "state.pt").write_bytes(b"WEIGHTS" * 1000)
-    with pytest.raises(BadSignature, match=r"state\.pt: sha256"):
+    with pytest.raises(BadSignature, match=r"state\.pt: blake3"):
         verify(tmp_path, pki[0], expected)
 
 
@@ -80,7 +81,7 @@ def test_a_large_file_is_hashed_in_pieces_and_the_tampered_piece_named(pki: tupl
     data = bytearray((tmp_path / "state.pt").read_bytes())
     data[3 * 1024 + 5] ^= 1
     (tmp_path / "state.pt").write_bytes(bytes(data))
-    with pytest.raises(BadSignature, match="sha256 of piece 3 is not the one signed"):
+    with pytest.raises(BadSignature, match="blake3 of piece 3 is not the one signed"):
         verify(tmp_path, pki[0], expected)
 
 
@@ -139,9 +140,38 @@ def test_a_signed_shard_replayed_at_another_step_is_refused(pki: tuple[Path, Pat
 
 def test_the_node_key_signs_shard_statements_only(pki: tuple[Path, Path]) -> None:
     key = load_identity(pki[0], "node", "node-0").key_pem
-    with pytest.raises(BadSignature, match="not a ftd-shard-sig-v1 statement"):
+    with pytest.raises(BadSignature, match=r"not a ftd-shard-sig-v2 \(or ftd-shard-sig-v1\) statement"):
         sign_statement(b" " * 64 + b"TLS 1.3, server CertificateVerify\x00" + b"x" * 32, key)
     good = Statement(JOB, STEP, 0, RANK, 2, "torch", (("state.pt", 1, ("0" * 64,)),), 1.0).encode()
     with pytest.raises(BadSignature, match="canonical"):
         sign_statement(good.replace(b'"epoch":0', b'"epoch": 0'), key)
     assert sign_statement(good, key)
+
+
+def test_a_shard_signed_under_the_first_scheme_still_verifies_and_its_tampering_is_named(
+        pki: tuple[Path, Path], tmp_path: Path) -> None:
+    """Shards signed before BLAKE3 (SHA-256 pieces, scheme v1) stay restorable; the scheme is part of
+    the signed bytes, so nobody can relabel a statement's digests."""
+    folder = tmp_path / "v1"
+    expected = write_shard(folder, pki[0], "node-0")
+    signed = SignedShard.decode((folder / SIGNATURE).read_bytes())
+    current = Statement.decode(signed.statement)
+    assert current.scheme == signing.SCHEME and b'"blake3":[' in signed.statement
+    names = [n for n, _, _ in current.files]
+    old = dataclasses.replace(current, scheme=signing.SCHEME_V1,
+                              files=signing.hash_files(folder, names, scheme=signing.SCHEME_V1))
+    raw = old.encode()
+    assert raw.startswith(b'{"scheme":"ftd-shard-sig-v1",') and b'"sha256":[' in raw
+    material = load_identity(pki[0], "node", "node-0")
+    genuine = SignedShard(raw, sign_statement(raw, material.key_pem), material.cert_pem).encode()
+    (folder / SIGNATURE).write_bytes(genuine)
+    assert verify(folder, pki[0], expected).scheme == signing.SCHEME_V1
+    relabelled = raw.replace(b"ftd-shard-sig-v1", b"ftd-shard-sig-v2").replace(b'"sha256":', b'"blake3":')
+    (folder / SIGNATURE).write_bytes(SignedShard(relabelled, sign_statement(raw, material.key_pem),
+                                                 material.cert_pem).encode())
+    with pytest.raises(BadSignature, match="does not verify"):
+        verify(folder, pki[0], expected)
+    (folder / SIGNATURE).write_bytes(genuine)
+    (folder / "state.pt").write_bytes(b"WEIGHTS" * 1000)
+    with pytest.raises(BadSignature, match=r"state\.pt: sha256 of piece 0"):
+        verify(folder, pki[0], expected)
