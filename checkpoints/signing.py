@@ -291,7 +291,7 @@ def verify_shard(directory: Path, *, cas: Sequence[x509.Certificate], writer: st
             piece = next(i for i, (a, b) in enumerate(zip(actual, sums[name], strict=False)) if a != b) \
                 if len(actual) == len(sums[name]) else -1
             raise BadSignature(f"{directory / name}: {DIGESTS[statement.scheme]} of piece {piece} is not the one "
-                               "signed")
+                               "signed (the bytes were damaged or replaced)")
     return statement
 
 

@@ -187,3 +187,34 @@ def test_fsdp2_snapshot_holds_local_shards_like_dcp_save_and_loads_in_place(tmp_
         assert got["like_stock_save"], "the snapshot's DCP shard is what dcp.save of the live state writes"
         assert got["loaded_equal"] and got["next_step_equal"]
     assert json.loads((tmp_path / "checks-0.json").read_text())["chunks_tile_global_shapes"]
+
+
+def test_a_signed_copy_in_memory_is_hashed_once_by_its_signature_check(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """In memory the signature's digest of every file stands for the CRC32C pass (one hash, not two);
+    a disk copy keeps the CRC32C first, so plain damage is named as such."""
+    from ftd.training import corruption
+    from ftd.training.corruption import CorruptCopy
+    from ftd.training.restore import load_shard
+
+    torch.save({"w": torch.arange(4096.0)}, tmp_path / "state.pt")
+    expected = {"state.pt": ((tmp_path / "state.pt").stat().st_size, crc32c_file(tmp_path / "state.pt"))}
+    hashed: list[Path] = []
+    monkeypatch.setattr(corruption, "crc32c_mapped", lambda p: hashed.append(p) or crc32c_file(p))
+    checked: list[Path] = []
+    loaded = load_shard(tmp_path, expected, "torch", "cpu", None, True, in_memory=True, verify=checked.append)
+    assert torch.equal(loaded["w"], torch.arange(4096.0)) and checked == [tmp_path] and hashed == []
+
+    def refuse(directory: Path) -> None:
+        raise CorruptCopy("signature check failed: state.pt: blake3 of piece 0 is not the one signed")
+
+    data = bytearray((tmp_path / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "state.pt").write_bytes(bytes(data))
+    with pytest.raises(CorruptCopy, match="signature check failed"):
+        load_shard(tmp_path, expected, "torch", "cpu", None, True, in_memory=True, verify=refuse)
+    with pytest.raises(CorruptCopy, match="crc32c"):
+        load_shard(tmp_path, expected, "torch", "cpu", None, True, in_memory=False, verify=refuse)
+    with pytest.raises(CorruptCopy, match="crc32c"):  # unsigned (no mTLS): the CRC32C is the check
+        load_shard(tmp_path, expected, "torch", "cpu", None, True, in_memory=True)
+    assert hashed == [tmp_path / "state.pt"]

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import functools
 import io
+import mmap
+import os
 import pickle
 import warnings
 from collections.abc import Callable, Mapping
@@ -138,6 +140,43 @@ class _TensorRecord(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor record")
 
 
+class _MappedRecord(io.RawIOBase):
+    """One DCP item's bytes in the mapped data file, read without a system call. torch's zip reader
+    makes about 20 small reads and seeks per record (its central directory, pickle and version
+    records); through DCP's view of a file object those cost 0.3 ms a tensor, several times the copy
+    of the tensor itself at 300 tensors per shard."""
+
+    def __init__(self, mapped: memoryview, offset: int, length: int) -> None:
+        super().__init__()
+        self._bytes = mapped[offset:offset + length]
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET, /) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._bytes)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._bytes) - self._pos))
+        out[:n] = self._bytes[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._bytes.release()
+        super().close()
+
+
 def _mapped_loader() -> Any:
     """torch's zip-archive loading with an outside storage (what ``torch.load(mmap=True)`` does), or
     ``None`` where this torch has no such private entry points."""
@@ -175,7 +214,6 @@ def load_dcp(directory: Path, expected: Expected, template: dict[str, Any], weig
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-    from torch.distributed.checkpoint.utils import _create_file_view
     from torch.futures import Future
 
     check_template(template)
@@ -206,21 +244,23 @@ def load_dcp(directory: Path, expected: Expected, template: dict[str, Any], weig
                 per_file.setdefault(str(info.relative_path), []).append((item, info))
             for name, items in per_file.items():
                 path = directory / name
-                whole = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)  # mapped, private
-                with open(path, "rb") as stream:
-                    for req, info in items:
-                        view = functools.partial(_create_file_view, stream, info.offset, info.length)
-                        if req.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(req, io.BytesIO(view().read(-1)))
-                            continue
-                        tensor = mapped(view, whole[info.offset:info.offset + info.length])
-                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                        target = planner.resolve_tensor(req).detach()
-                        if target.size() != tensor.size():
-                            raise ValueError(f"{path}: {req.storage_index.fqn} holds {tuple(tensor.size())}, the "
-                                             f"state has {tuple(target.size())}")
-                        target.copy_(tensor)
-                        planner.commit_tensor(req, target)
+                size = path.stat().st_size
+                whole = torch.UntypedStorage.from_file(str(path), False, size)  # mapped, private
+                with open(path, "rb") as stream:  # the mapping outlives the descriptor; unmapped when unused
+                    records = memoryview(mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) if size else b"")
+                for req, info in items:
+                    view = functools.partial(_MappedRecord, records, info.offset, info.length)
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(view().read(-1)))
+                        continue
+                    tensor = mapped(view, whole[info.offset:info.offset + info.length])
+                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise ValueError(f"{path}: {req.storage_index.fqn} holds {tuple(tensor.size())}, the "
+                                         f"state has {tuple(target.size())}")
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
             done: Future[None] = Future()
             done.set_result(None)
             return done

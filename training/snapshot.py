@@ -16,10 +16,10 @@ in a standby's ``prepare()``) allocates and touches the arena ahead, so no save 
 Copying with two threads was measured no faster (memory bandwidth is the limit). GPU tensors go to a
 pinned arena with non-blocking copies and one synchronisation at the end.
 
-Each buffer is a tensor with a storage of its own over its slice of the arena (made through numpy,
-which keeps the arena alive), not a view of the arena's storage: ``torch.save`` and DCP's writer
-write a tensor's whole storage, so both cloned every view first (256 MiB copied into fresh memory
-per snapshot: a third of the save's CPU time).
+Each buffer is a tensor with a storage of its own over its slice of the arena (a slice of an
+``UntypedStorage`` shares its memory and keeps it alive), not a view of the arena's storage:
+``torch.save`` and DCP's writer write a tensor's whole storage, so both cloned every view first
+(256 MiB copied into fresh memory per snapshot: a third of the save's CPU time).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class Snapshotter:
         pin = any(t.is_cuda for _, t in leaves)
         took = self.reserve(need, pin=pin)
         assert self._arena is not None
-        memory = self._arena.numpy()  # slices of it become storages of their own (module docstring)
+        memory = self._arena.untyped_storage()  # its slices are storages of their own (module docstring)
         buffers: dict[str, torch.Tensor] = {}
         offset = 0
         for path, t in leaves:
@@ -184,7 +184,7 @@ class Snapshotter:
             if nbytes == 0:
                 buffers[path] = torch.empty(t.shape, dtype=t.dtype)
                 continue
-            buffers[path] = torch.from_numpy(memory[offset:offset + nbytes]).view(t.dtype).view(t.shape)
+            buffers[path] = torch.empty(0, dtype=t.dtype).set_(memory[offset:offset + nbytes], 0, t.shape)
             offset += _aligned(nbytes)
         self._layout, self._buffers = layout, buffers
         return took
