@@ -13,8 +13,9 @@ Per rank and trial:
   bytes over it, the figure the issue's target (>= 1 GB/s per rank) is about; ``restore_cpu_s`` /
   ``restore_cpu_gbps``: the CPU time the restoring process spent (on a shared box, what the restore
   costs when it has a core to itself);
-* ``verify_s`` / ``load_s``: its two parts (:func:`ftd.training.restore.load_shard`: the CRC32Cs of
-  the mapped files; DCP's load copying straight from them);
+* ``verify_s`` / ``signature_s`` / ``load_s``: its parts (:func:`ftd.training.restore.load_shard`:
+  the CRC32Cs of the mapped files, left out when the signature's BLAKE3 covers them, i.e. with mTLS;
+  the signature check; DCP's load copying straight from them);
 * ``local_cpu_gbps`` / ``stock_cpu_gbps``: the same shard read again into the same state (no
   catalog, no agreement; in alternating order), bytes per CPU-second, by ftd (``load_shard``: mapped
   CRC32Cs, mapped DCP load) and by DCP's stock reading (``crc32c_file`` reads, then
@@ -110,7 +111,19 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             timed["verify_s"] = timed.get("verify_s", 0.0) + time.perf_counter() - t
 
+    from ftd.training.checkpoint_signing import ShardSigner
+
+    real_verify = ShardSigner.verify
+
+    def signature(self: ShardSigner, *a: Any, **kw: Any) -> None:
+        t = time.perf_counter()
+        try:
+            real_verify(self, *a, **kw)
+        finally:
+            timed["signature_s"] = timed.get("signature_s", 0.0) + time.perf_counter() - t
+
     restore_mod.load_dcp, corruption.crc32c_mapped = load_dcp, crc  # type: ignore[assignment]
+    ShardSigner.verify = signature  # type: ignore[method-assign]
     def read_again(how: str, folder: Path, expected: dict[str, tuple[int, str]], app: AppState) -> None:
         """The shard read into ``app`` without the catalog or the agreement: by ftd or by DCP's stock reader."""
         if how == "local":
@@ -202,7 +215,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)  # tmpfs: memory until removed
     result: dict[str, Any] = {"params": args.params, "nproc": args.nproc, "trials": args.trials,
                               "shard_mb_per_rank": round(rows[0]["bytes"] / 1e6, 1)}
-    for key in ("restore_s", "restore_gbps", "restore_cpu_s", "restore_cpu_gbps", "verify_s", "load_s",
+    for key in ("restore_s", "restore_gbps", "restore_cpu_s", "restore_cpu_gbps", "verify_s", "signature_s", "load_s",
                 "local_cpu_gbps", "stock_cpu_gbps", "optim_init_s"):
         values = [r[key] for r in rows if key in r]
         result[f"{key}_p50"] = percentile(values, 50)
