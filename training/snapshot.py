@@ -184,7 +184,7 @@ class Snapshotter:
             if nbytes == 0:
                 buffers[path] = torch.empty(t.shape, dtype=t.dtype)
                 continue
-            buffers[path] = torch.empty(0, dtype=t.dtype).set_(memory[offset:offset + nbytes], 0, t.shape)
+            buffers[path] = torch.empty(0, dtype=t.dtype).set_(memory[offset:offset + nbytes]).view(t.shape)
             offset += _aligned(nbytes)
         self._layout, self._buffers = layout, buffers
         return took
