@@ -175,6 +175,11 @@ def may_write(view: View, caller: Identity | None, job: str, step: int, rank: in
                                   f"{view.job or 'none'}")
     if world_size <= 0:  # an older sender: whose rank it is cannot be told before room is made
         return _deny(SOURCE, f"node {who} may not {what} into node {view.me}: its header names no world size")
+    current = view.ranks_per_node * len(view.world)
+    if view.ranks_per_node > 0 and world_size != current:  # the replica's path has no world size: a claimed
+        # smaller world would make one of this node's own ranks look like the sender's
+        return _deny(SOURCE, f"node {who} may not {what} into node {view.me}: it names a {world_size}-rank world, "
+                             f"the job's current world has {current} ranks")
     owner = holder(view.world, world_size, rank)
     if owner != who:
         held = f"rank {rank} is held by {owner}" if owner else f"rank {rank} has no holder in the current world"

@@ -113,6 +113,20 @@ def test_a_replica_comes_only_from_the_node_whose_buddy_this_is_of_a_rank_it_hol
     assert not write(node("node-2"), 0, job="made-up", view=unmanaged).allowed
 
 
+def test_a_replica_naming_another_world_size_cannot_land_on_one_of_this_nodes_own_ranks() -> None:
+    """Two ranks per node: node-0 holds ranks 0 and 1. A replica's path carries no world size, so
+    node-1 claiming rank 1 of a 2-rank world (whose holder would be node-1) would land on node-0's own
+    rank 1; only the current world's size is accepted when the launcher's ranks per node are known."""
+    view = peer_rules.View(**{**VIEW.__dict__, "ranks_per_node": 2})
+    assert write(node("node-1"), 3, world_size=4, view=view).allowed
+    assert not write(node("node-1"), 1, world_size=4, view=view).allowed  # node-0's own rank
+    claimed = write(node("node-1"), 1, world_size=2, view=view)
+    assert not claimed.allowed and claimed.rule == "replica_source"
+    assert "names a 2-rank world, the job's current world has 4 ranks" in claimed.reason
+    unknown = peer_rules.View(**{**VIEW.__dict__, "ranks_per_node": 0})  # not known: the holder rule alone
+    assert write(node("node-1"), 1, world_size=2, view=unknown).allowed
+
+
 def test_the_view_comes_from_the_assignment() -> None:
     assignment = cluster_pb2.Assignment(epoch=3, rank=0, world_size=2, world=["node-0", "node-1"], job=JOB,
                                         unmanaged_jobs=True)
