@@ -231,6 +231,16 @@ def step_overhead(args: argparse.Namespace, agent_socket: str, record: Callable[
     a, b = torch.randn(384, 384), torch.randn(384, 384)
     out = torch.empty(384, 384)
 
+    def cpu_now() -> list[float]:
+        return [_cpu_s([pid]) for pid in pids]
+
+    def record_cpu(phase: str, before: list[float]) -> None:
+        """CPU seconds per step of the phase: all of ``pids`` together, then each (training, agents)."""
+        after = cpu_now()
+        record(f"mem_step_cpu_{phase}_s", (sum(after) - sum(before)) / args.overhead_steps)
+        for name, a, b in zip(("training", "holder_agent", "buddy_agent"), after, before, strict=False):
+            record(f"mem_step_cpu_{phase}_{name}_s", (a - b) / args.overhead_steps)
+
     def compute(n: int) -> float:
         started = time.perf_counter()
         for _ in range(n):
@@ -249,18 +259,14 @@ def step_overhead(args: argparse.Namespace, agent_socket: str, record: Callable[
         for _ in range(args.repeat):
             for i in range(args.overhead_steps + 2):
                 if i == 2:
-                    cpu = _cpu_s(pids)
-                    each = [_cpu_s([pid]) for pid in pids]
+                    before = cpu_now()
                 took = compute(n)
                 if i >= 2:
                     record("mem_step_without_s", took)
-            record("mem_step_cpu_without_s", (_cpu_s(pids) - cpu) / args.overhead_steps)
-            for name, pid, before in zip(("training", "holder_agent", "buddy_agent"), pids, each, strict=False):
-                record(f"mem_step_cpu_without_{name}_s", (_cpu_s([pid]) - before) / args.overhead_steps)
+            record_cpu("without", before)
             for i in range(args.overhead_steps + 1):
                 if i == 1:
-                    cpu = _cpu_s(pids)
-                    each = [_cpu_s([pid]) for pid in pids]
+                    before = cpu_now()
                 started = time.perf_counter()
                 compute(n)
                 step += 1
@@ -268,9 +274,7 @@ def step_overhead(args: argparse.Namespace, agent_socket: str, record: Callable[
                 if i >= 1:
                     record("mem_step_with_s", time.perf_counter() - started)
                     record("mem_save_stall_s", ck.last_blocked_s)
-            record("mem_step_cpu_with_s", (_cpu_s(pids) - cpu) / args.overhead_steps)
-            for name, pid, before in zip(("training", "holder_agent", "buddy_agent"), pids, each, strict=False):
-                record(f"mem_step_cpu_with_{name}_s", (_cpu_s([pid]) - before) / args.overhead_steps)
+            record_cpu("with", before)
         result = ck.wait()
         assert result is not None and result.ok, result
         ck.close()

@@ -169,7 +169,7 @@ def hash_files(directory: Path, names: Iterable[str], threads: int = HASH_THREAD
             mapped = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
             views[name] = stack.enter_context(memoryview(mapped))
         jobs = [(name, start) for name, view in views.items() for start in range(0, max(len(view), 1), CHUNK)]
-        with ThreadPoolExecutor(threads, thread_name_prefix="ftd-sha256") as pool:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ftd-digest") as pool:
             sums = list(pool.map(lambda job: _hexdigest(scheme, views[job[0]][job[1]:job[1] + CHUNK]), jobs))
         pieces: dict[str, list[str]] = {name: [] for name in views}
         for (name, _), digest in zip(jobs, sums, strict=True):

@@ -143,8 +143,9 @@ class _TensorRecord(pickle.Unpickler):
 class _MappedRecord(io.RawIOBase):
     """One DCP item's bytes in the mapped data file, read without a system call. torch's zip reader
     makes about 20 small reads and seeks per record (its central directory, pickle and version
-    records); through DCP's view of a file object those cost 0.3 ms a tensor, several times the copy
-    of the tensor itself at 300 tensors per shard."""
+    records), each a seek and a read of the file through DCP's view of it; from the mapping, loading
+    300 tensors of 227 MB took 0.146 CPU-s against 0.156 (most of the rest is torch's own record
+    parsing)."""
 
     def __init__(self, mapped: memoryview, offset: int, length: int) -> None:
         super().__init__()
