@@ -134,6 +134,42 @@ def idle(pid: int) -> bool:
     return True
 
 
+_REVERSIBLE: list[bool] = []
+
+
+def idle_reversible() -> bool:
+    """Whether a process of this agent can leave ``SCHED_IDLE`` again (``CAP_SYS_NICE``, or an
+    ``RLIMIT_NICE`` that allows nice 0): a background standby must, before it trains. Tried once on a
+    throwaway thread (a thread's policy is its own), so the agent's threads are never touched."""
+    if not _REVERSIBLE:
+        result = [False]
+
+        def attempt() -> None:
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                result[0] = True
+            except (AttributeError, OSError):
+                pass
+
+        probe = threading.Thread(target=attempt, name="ftd-sched-probe", daemon=True)
+        probe.start()
+        probe.join(5.0)
+        _REVERSIBLE.append(result[0])
+        if not result[0]:
+            log.info("standby workers start at normal priority: this agent may not return a process from "
+                     "SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE %s)", _nice_limit())
+    return _REVERSIBLE[0]
+
+
+def _nice_limit() -> str:
+    try:
+        import resource
+        return str(resource.getrlimit(resource.RLIMIT_NICE)[0])
+    except (ImportError, OSError, AttributeError):
+        return "unknown"
+
+
 def boost(pid: int) -> bool:
     """Every thread of ``pid`` to ``SCHED_OTHER`` (a background standby needed now); False if refused."""
     try:
@@ -240,7 +276,7 @@ class WarmPool:
     replaced, for one log per rank)."""
 
     def __init__(self, argv_for_local_rank: Callable[[int], Sequence[str]], nproc: int, env: Mapping[str, str],
-                 log_path: Path, *, prime: bool = True, background_refill: bool = True,
+                 log_path: Path, *, prime: bool = True, background_refill: bool = True, background_prime: bool = True,
                  respawn_backoff_s: float = 1.0, refill_grace_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if nproc < 1:
@@ -250,6 +286,7 @@ class WarmPool:
         self.env = dict(env)
         self.log_path = log_path
         self.background_refill = background_refill
+        self.background_prime = background_prime
         self.respawn_backoff_s = respawn_backoff_s
         self.refill_grace_s = refill_grace_s
         self._refill_due: float | None = None  # a background refill waits for refill_now() or this time
@@ -278,6 +315,7 @@ class WarmPool:
         env = {**self.env, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.nproc),
                "PYTHONUNBUFFERED": "1"}
         env.pop(ENV_BACKGROUND, None)
+        background = background and idle_reversible()
         if background:
             env[ENV_BACKGROUND] = "1"
         if self.nproc > 1:
@@ -307,8 +345,12 @@ class WarmPool:
                     self._slots[local_rank] = self._spawn(local_rank, background)
 
     def prime(self) -> None:
-        """Starts a standby for every local rank that has none (at normal priority)."""
-        self._fill(background=False)
+        """Starts a standby for every local rank that has none: under ``SCHED_IDLE`` unless
+        ``background_prime`` is off. A node's first standbys wait for a round that may be hours away
+        (a spare's, or a replacement agent's beside a training that runs): on an idle node they get
+        the CPU all the same, on a busy one they take none from the training, and an activation that
+        comes while they still import boosts them (:meth:`_hand`)."""
+        self._fill(background=self.background_prime)
 
     def _refill_later(self) -> None:
         def refill() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from job_records import records, restore_target_step
 
 from ftd import rpc
 from ftd.agent.launcher import Launcher
-from ftd.agent.warm_pool import WarmPool, WorkerAssignment, kill_processes, standby_argv
+from ftd.agent.warm_pool import WarmPool, WorkerAssignment, idle_reversible, kill_processes, standby_argv
 from ftd.v1 import agent_pb2, agent_pb2_grpc
 from ftd.waiting import wait_for
 
@@ -67,7 +68,10 @@ def test_pool_activates_standbys_and_refills_in_the_background(tmp_path: Path, p
     pool = WarmPool(lambda lr: argv, 2, probe, tmp_path / "w-{local_rank}.log")
     try:
         assert pool.wait_ready(90)
-        assert len(pool.readiness) == 2 and all(not r.background and r.startup_s > 0 for r in pool.readiness)
+        # The first standbys too import under SCHED_IDLE where the agent may return them from it
+        background = idle_reversible()
+        assert len(pool.readiness) == 2 and all(r.background == background and r.startup_s > 0 for r in pool.readiness)
+        assert all(os.sched_getscheduler(pid) == os.SCHED_OTHER for pid in pool.pids())  # trained at normal priority
         standbys = sorted(pool.pids())
         out = str(tmp_path / "probe")
         started = time.monotonic()
@@ -90,12 +94,34 @@ def test_pool_activates_standbys_and_refills_in_the_background(tmp_path: Path, p
         assert pool.pids() == []  # the refill waits until the new workers trained (or the grace passed)
         assert pool.refill_now("the workers reported step 0") and not pool.refill_now("again")
         wait_for(lambda: pool.ready_count() == 2, 120, "the background refill", interval_s=0.2)
-        assert [r.background for r in pool.readiness[2:]] == [True, True]
+        assert [r.background for r in pool.readiness[2:]] == [background, background]
         assert not set(pool.pids()) & set(standbys)
         print(f"\nstandby: spawn to ready {[r.startup_s for r in pool.readiness]} s; hand-over {handed_s * 1e3:.1f} ms")
     finally:
         killed = pool.close()
     assert len(killed) == 2 and not pool.pids()
+
+
+SCHED_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from ftd.agent.warm_pool import idle_reversible
+print(idle_reversible())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_an_agent_that_cannot_leave_sched_idle_starts_its_standbys_at_normal_priority() -> None:
+    """A background standby must return to SCHED_OTHER before it trains; an agent without CAP_SYS_NICE
+    (RLIMIT_NICE 0) could not, so it starts none in the background (else every standby would fail)."""
+    setpriv = subprocess.run(["sh", "-c", "command -v setpriv"], capture_output=True, text=True).stdout.strip()
+    if not setpriv:
+        pytest.skip("setpriv (util-linux) not installed")
+    assert idle_reversible()  # root
+    dropped = subprocess.run([setpriv, "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", SCHED_PROBE,
+                              str(ROOT)], capture_output=True, text=True, timeout=60,
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NICE, (0, 0)))
+    assert dropped.stdout.strip() == "False", dropped.stderr[-2000:]
 
 
 def test_the_refill_after_an_activation_waits_for_the_first_step_or_the_grace(tmp_path: Path,
