@@ -99,6 +99,13 @@ def manifest(step: int, epoch: int, rank: int, world: int, now: float) -> checkp
                checkpoint_pb2.ShardFile(name="SHARD.sig", size=1400, crc32c=crc[::-1])])
 
 
+def backoff_s(attempt: int, max_s: float = 1.0) -> float:
+    """The agent's reconnect backoff (agent/heartbeat.py: tenacity's ``wait_exponential_jitter(initial=0.05,
+    max=reconnect_max_backoff_s, jitter=0.1)``, 1 s by default): after a leader's death 2,000 agents try
+    again at that pace, not all at once every few hundred milliseconds."""
+    return min(max_s, 0.05 * 2 ** attempt) + random.uniform(0, 0.1)
+
+
 class _Node:
     def __init__(self, plan: Plan, node_id: str, tally: _Tally, udp: socket.socket,
                  positions: dict[str, int]) -> None:
@@ -166,17 +173,22 @@ class _Node:
                 await self._next_endpoint()
                 await asyncio.sleep(0.5)
         await asyncio.sleep(random.random() / plan.hz)  # spread the phases
+        attempt = 0
         while time.time() < plan.stop_at:
             ended = await self._stream()
             if ended == "done":
                 return
             await self._next_endpoint()
-            await asyncio.sleep(0.05 + 0.2 * random.random())
+            attempt = 0 if self.answered else attempt + 1
+            await asyncio.sleep(backoff_s(attempt))
+
+    answered = False  # the last stream got an answer (the agent's backoff starts over)
 
     async def _stream(self) -> str:
         """One heartbeat stream, until it fails ("retry"), the node dies or the run ends ("done")."""
         plan = self.plan
         call = self._stub().Heartbeat()
+        self.answered = False
         self.target = None
         self.probed.clear()
         reader = asyncio.create_task(self._read(call))
@@ -241,6 +253,7 @@ class _Node:
     async def _read(self, call: Any) -> None:
         try:
             async for response in call:
+                self.answered = True
                 a = response.assignment
                 self.epoch = max(self.epoch, a.epoch)
                 if a.HasField("peers"):

@@ -9,6 +9,7 @@ translation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
@@ -48,6 +49,41 @@ class Runtime:
     progress: cluster_pb2.Progress | None = None
 
 
+class JobTable(dict[str, rendezvous.JobState]):
+    """The view's jobs by name; :attr:`version` moves with every change (the current job is cached
+    against it: it is asked on every heartbeat answer). Job states are frozen: a change is a new entry."""
+
+    version: int = 0
+
+    def __setitem__(self, key: str, value: rendezvous.JobState) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self.version += 1
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.version += 1
+        return super().setdefault(key, default)
+
+    def popitem(self) -> tuple[str, rendezvous.JobState]:
+        self.version += 1
+        return super().popitem()
+
+
 @dataclass
 class ClusterView:
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
@@ -61,13 +97,15 @@ class ClusterView:
     rollbacks: dict[str, ckpt.Rollback] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # records that did not load (skipped), by key
     etcd_alarms: list[str] = field(default_factory=list)  # etcd's raised alarms, as last polled
-    jobs: dict[str, rendezvous.JobState] = field(default_factory=dict)
+    jobs: dict[str, rendezvous.JobState] = field(default_factory=JobTable)
     forced_dead: dict[str, str] = field(default_factory=dict)  # node -> why (a hung node reported itself)
     stalls: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, round) -> nodes stalled
     drains: dict[str, handover_rules.Drain] = field(default_factory=dict)  # pending planned hand-overs
     goodput: dict[str, bytes] = field(default_factory=dict)  # job -> its persisted ledger (coordinator/goodput.py)
     access: dict[str, bytes] = field(default_factory=dict)  # deny list and admissions (coordinator/revocations.py)
     _rank: dict[str, int] = field(default_factory=dict)
+    # (jobs, their version, the ranks, the job): current_job() as last computed
+    _current: tuple[object, int, object, rendezvous.JobState | None] = (None, -1, None, None)
 
     @classmethod
     def from_snapshot(cls, snap: Snapshot, now: float, grace_s: float) -> ClusterView:
@@ -113,8 +151,18 @@ class ClusterView:
         """The cluster's training job (one per ftd cluster): among the open ones, the one the most
         members of the world joined in its current round, then the oldest; else the last closed. Not
         the first by name: a job a node made up must not become the one every assignment names."""
+        version = getattr(self.jobs, "version", None)  # asked on every heartbeat answer: cached while unchanged
+        jobs, rank, cached = self.jobs, self._rank, self._current
+        if version is not None and cached[0] is jobs and cached[1] == version and cached[2] is rank:
+            return cached[3]
+        job = self._current_job()
+        if version is not None:
+            self._current = (jobs, version, rank, job)
+        return job
+
+    def _current_job(self) -> rendezvous.JobState | None:
         open_jobs = [j for j in self.jobs.values() if not j.closed]
-        if len(open_jobs) == 1:  # the usual case, asked on every heartbeat answer: no O(world) work
+        if len(open_jobs) == 1:
             return open_jobs[0]
         rank = self._rank
 

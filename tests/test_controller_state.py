@@ -7,6 +7,7 @@ test_controller.py."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -386,3 +387,22 @@ def test_job_records_and_checkpoint_series_are_bounded(monkeypatch: pytest.Monke
         assert names == {"c2", "c3"}, "only the jobs with the newest valid steps have series"
 
     run(scenario)
+
+
+def test_the_current_job_is_cached_until_a_job_or_the_world_changes() -> None:
+    """current_job is asked on every heartbeat answer: computed once per change of the jobs or the world."""
+    view = ClusterView()
+    view.set_world(World(epoch=1, ranks=("a", "b")), 1)
+    view.jobs["old"] = rendezvous.JobState("old", closed=True, round=3)
+    assert view.current_job() is view.jobs["old"]  # no open job: the last closed
+    view.jobs["x"] = rendezvous.JobState("x", joined=("a",), created_unix_s=2.0)
+    view.jobs["y"] = rendezvous.JobState("y", joined=("c",), created_unix_s=1.0)
+    assert view.current_job() is view.jobs["x"]  # the most members of the world joined it
+    view.jobs["y"] = rendezvous.JobState("y", joined=("a", "b"), created_unix_s=1.0)  # a new (frozen) state
+    assert view.current_job() is view.jobs["y"]
+    view.set_world(World(epoch=2, ranks=("c",)), 2)  # the world changed: y's members are not in it
+    assert view.current_job() is view.jobs["y"]  # y: 0 of c, x: 0 of c -> the oldest (y)
+    view.jobs.pop("y")
+    assert view.current_job() is view.jobs["x"]
+    view.jobs["x"] = replace(view.jobs["x"], closed=True)
+    assert view.current_job() is view.jobs["old"]
