@@ -89,6 +89,7 @@ from ftd.ftctl import drill, isolated, preempt_drill
 from ftd.ftctl import goodput as ftd_goodput
 from ftd.ftctl.etcd_server import free_port
 from ftd.ftctl.localcluster import ClusterFile, TrainOptions, notice_file, spawn_agent, stop, up, wait_agent
+from ftd.v1 import coordinator_pb2
 from ftd.waiting import Timeout, wait_for
 
 from _common import emit, percentile
@@ -218,6 +219,9 @@ class FtdArm:
         if self.lab is not None:
             self.lab.heal(self.lab.hosts[victim])  # the fresh host's link is whole
         notice_file(self.cluster, victim).unlink(missing_ok=True)  # a fresh host has no preemption notice
+        # A drained node is refused until an operator admits it again (coordinator/admission.py): the
+        # fresh host taking a preempted one's name is, as its operator would (``ftctl admit NODE --spare``).
+        self.client.call("Admit", coordinator_pb2.AdmitRequest(node_id=victim, spare=True), idempotent=True)
         proc, _, _ = spawn_agent(self.cluster, victim, "spare", extra_args=self.train.agent_args(NODES))
         metrics = wait_agent(self.cluster, victim, proc).info["metrics"]
         with contextlib.suppress(Timeout):
