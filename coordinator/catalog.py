@@ -313,7 +313,6 @@ class CatalogKeeper:
         """The job's durable records merged with the memory snapshots of its alive nodes."""
         view = self.state.require_leader()
         self.memory.gone(view, self.clock())  # a dead node's report goes: its memory died with it
-        self.memory.settle()  # the reports not parsed yet (before the key: parsing moves the generation)
         key = (self.memory.generation, self._generation, id(view))
         cached = self._merged.get(job)
         if cached is not None and cached[0] == key:

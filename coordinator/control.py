@@ -90,7 +90,6 @@ class Controller:
         self.catalog.memory_in_etcd = settings.memory_snapshots_in_etcd
         self.membership.on_memory = self.catalog.take_report  # memory snapshots: soft state (memory_ledger.py)
         self.membership.memory_holders = self.catalog.memory.holders
-        self.membership.settle_memory = self.catalog.memory.settle
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.access = AccessKeeper(self.committer, wall)  # the deny list and the operator's admissions
         self.stragglers = StragglerWatch(self.committer, settings.straggler, self.metrics, self.drains.drain, clock,

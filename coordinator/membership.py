@@ -30,7 +30,6 @@ from .beacon_listener import BeaconBook, BeaconKey, admit, probe_due
 from .detector import Liveness, State, Verdict, judge
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
-from .memory_ledger import SETTLE_EVERY_S
 from .metrics import CoordinatorMetrics
 from .placement import collectable, plan
 from .recovery import RecoveryTracker
@@ -103,10 +102,6 @@ class Membership:
         # a node's memory report (node, incarnation, report): the catalog's ledger (memory_ledger.py)
         self.on_memory: Callable[[str, str, coordinator_pb2.MemoryReport], None] = lambda n, i, r: None
         self.memory_holders: Callable[[str, int], set[str]] = lambda job, rank: set()  # nodes with it in memory
-        # parses the memory reports not parsed yet (memory_ledger.MemoryLedger.settle): when a node turns
-        # suspect or dead (a restore target will be asked for), else every SETTLE_EVERY_S
-        self.settle_memory: Callable[[], int] = lambda: 0
-        self._settled_at = 0.0
         # Set by the controller: each committed failure of a node of the job (cause, node, since: its last
         # sign of life, unix s; None: not known) goes to the goodput ledger.
         self.on_failure: Callable[[str, str, float | None], None] = lambda cause, node_id, since: None
@@ -514,15 +509,12 @@ class Membership:
             if node is None or node.fenced:
                 del view.forced_dead[node_id]
         forced = view.forced_dead
-        settle = now - self._settled_at >= SETTLE_EVERY_S
         for node_id, verdict in judgement.verdicts.items():
             before = before_all.get(node_id)
             if before is verdict or node_id in forced:
                 continue
             if verdict.state is State.SUSPECT and not judgement.stalled:  # a stall: silences are not evidence
                 self._probe(node_id, view.liveness[node_id].last_seen, now)
-            if verdict.state is not State.ALIVE and (before is None or before.state is not verdict.state):
-                settle = True  # a restore target is likely asked soon: its reports parsed now, not then
             if before is None or before.state is not verdict.state:
                 # The buddy ring leaves out only dead and fenced nodes: a suspect coming and going (a
                 # late beacon under load) changes nothing there, and the ring costs O(nodes) to rebuild.
@@ -538,9 +530,6 @@ class Membership:
             view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
         if changed:
             self._peers_stale = True  # the alive set may have changed: the buddies are chosen again
-        if settle:
-            self._settled_at = now
-            self.settle_memory()
 
 
 def _peers_proto(peers: buddies.PeerSet) -> cluster_pb2.Peers:

@@ -8,11 +8,7 @@ and the replicas it keeps for its buddy), sent whole on a stream's first message
 The leader keeps the newest report per node here and nothing of it goes to etcd: a new leader learns
 it again from the agents' re-announcements.
 
-A report is stored as it came and parsed only when something needs it (:meth:`MemoryLedger.settle`: a
-restore target, a listing, a node turning suspect or dead, or every :data:`SETTLE_EVERY_S`): a node's
-report changes every step, and at 2,000 nodes parsing each one on arrival was a third of the leader's
-CPU, for snapshots the next step's report replaces before anything asks. Parsing runs only cheap checks
-(:func:`parse`, a few µs per snapshot: identifiers, sizes, a copy
+Per report only cheap checks run (:func:`parse`, a few µs per snapshot: identifiers, sizes, a copy
 only at the reporting node, an own rank only if the node held it in that round); the rules that used
 to run at commit time run when records are built, on demand (:func:`merge`): abandoned timelines,
 a rollback's removed and held steps, a copy whose checksum disagrees with the rank's, snapshots on
@@ -43,7 +39,6 @@ MAX_FILES = 100_000  # per snapshot
 FORMATS = ("torch", "dcp")
 GONE = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)  # a node whose memory copies do not count
 STATES_EVERY_S = 0.1  # the nodes' states are looked at most this often (a restore target is asked by every rank)
-SETTLE_EVERY_S = 30.0  # reports not asked for are parsed at least this often (holders, refusals logged)
 
 
 class Snap(NamedTuple):
@@ -247,9 +242,8 @@ def _with_memory(base: rules.CheckpointRecord | None, group: list[Snap], invalid
 class _Report:
     incarnation: str
     version: int
-    snaps: tuple[Snap, ...]  # what the last parsed report was taken as
+    snaps: tuple[Snap, ...]
     parsed: dict[bytes, Snap] = field(default_factory=dict)  # a snapshot's wire form -> what it was taken as
-    pending: coordinator_pb2.MemoryReport | None = None  # the newest report, not parsed yet
 
 
 @dataclass
@@ -271,7 +265,6 @@ class MemoryLedger:
     _gone: tuple[float, int, frozenset[str]] = (-1e18, 0, frozenset())  # (when, id(view), dead or fenced nodes)
     _index: dict[str, list[Snap]] = field(default_factory=dict)
     _holders: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, rank) -> reporting nodes
-    _pending: set[str] = field(default_factory=set)  # nodes whose newest report is not parsed yet
     _index_at: int = -1
     _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
 
@@ -279,7 +272,6 @@ class MemoryLedger:
         """A new leadership: nothing is known until the agents re-announce. ``nodes``: those registered
         at the election (a node first registered later reported to no earlier leader)."""
         self.reports.clear()
-        self._pending.clear()
         self._holders.clear()
         self.singles.clear()
         self.rounds.clear()
@@ -302,7 +294,7 @@ class MemoryLedger:
              jobs: Iterable[JobState] = ()) -> int:
         """A node's memory tier as it is now, replacing its previous report (unless an older one of the
         same stream's agent arrives late). ``jobs``: the current rounds (remembered for :func:`parse`).
-        Kept as it came (parsed by :meth:`settle`); returns how many snapshots it holds (0: ignored)."""
+        Returns how many snapshots were taken."""
         for job in jobs:
             if self.rounds.get((job.job, job.round)) is not job.members:
                 self.see_round(job)
@@ -313,47 +305,23 @@ class MemoryLedger:
             self._log.log(logging.WARNING, f"too many:{node}", "node %s: a memory report of %d snapshots (at most "
                           "%d) ignored", node, len(report.snapshots), MAX_SNAPSHOTS)
             return 0
-        if old is None:
-            self.reports[node] = _Report(incarnation, report.version, (), pending=report)
-        else:
-            old.incarnation, old.version, old.pending = incarnation, report.version, report
-        self._pending.add(node)
+        taken: list[Snap] = []
+        before = old.parsed if old is not None else {}
+        parsed: dict[bytes, Snap] = {}
+        for m in report.snapshots:  # a snapshot unchanged since the node's last report is not parsed again
+            raw = m.SerializeToString(deterministic=True)
+            snap = before.get(raw) or parse(node, m, self.rounds)
+            if isinstance(snap, str):
+                self.refused += 1
+                self._log.log(logging.WARNING, f"refused:{node}", "node %s: memory snapshot not counted: %s", node,
+                              snap)
+            else:
+                taken.append(snap)
+                parsed[raw] = snap
+        self._rehold(node, old.snaps if old is not None else (), taken)
+        self.reports[node] = _Report(incarnation, report.version, tuple(taken), parsed)
         self.generation += 1
-        return len(report.snapshots)
-
-    def settle(self, node: str | None = None) -> int:
-        """Parses the reports not parsed yet (``node``'s only, if given); returns how many."""
-        nodes = [node] if node is not None else list(self._pending)
-        done = 0
-        for name in nodes:
-            self._pending.discard(name)
-            entry = self.reports.get(name)
-            if entry is None or entry.pending is None:
-                continue
-            report, entry.pending = entry.pending, None
-            taken: list[Snap] = []
-            parsed: dict[bytes, Snap] = {}
-            for m in report.snapshots:  # a snapshot unchanged since the node's last report is not parsed again
-                raw = m.SerializeToString(deterministic=True)
-                snap = entry.parsed.get(raw) or parse(name, m, self.rounds)
-                if isinstance(snap, str):
-                    self.refused += 1
-                    self._log.log(logging.WARNING, f"refused:{name}", "node %s: memory snapshot not counted: %s",
-                                  name, snap)
-                else:
-                    taken.append(snap)
-                    parsed[raw] = snap
-            self._rehold(name, entry.snaps, () if name in self._gone[2] else taken)
-            entry.snaps, entry.parsed = tuple(taken), parsed
-            done += 1
-        if done:
-            self.generation += 1
-        return done
-
-    @property
-    def unsettled(self) -> int:
-        """Reports not parsed yet."""
-        return len(self._pending)
+        return len(taken)
 
     def add(self, snap: Snap) -> None:
         """One snapshot recorded by RPC (compatibility): the node keeps at most MEM_KEEP per rank."""
@@ -369,7 +337,6 @@ class MemoryLedger:
         held = self.singles.get(node, {})
         if held.pop((job, step, rank), None) is not None:
             self.generation += 1
-        self.settle(node)
         report = self.reports.get(node)
         if report is not None:
             kept = tuple(s for s in report.snaps if (s.job, s.step, s.rank) != (job, step, rank))
@@ -385,7 +352,6 @@ class MemoryLedger:
     def forget_node(self, node: str) -> None:
         """A node no longer alive: its memory tier is gone with it (or fenced off)."""
         report, single = self.reports.pop(node, None), self.singles.pop(node, None)
-        self._pending.discard(node)
         if report is not None:
             self._rehold(node, report.snaps, ())
         if report is not None or single is not None:
@@ -404,9 +370,7 @@ class MemoryLedger:
 
     def holders(self, job: str, rank: int) -> set[str]:
         """The nodes whose memory holds a snapshot of ``rank`` of ``job`` (its own or a replica): the
-        peer addresses a node is told above the inline bound (coordinator/buddies.py) include them. As
-        of the last :meth:`settle` (a node's ranks rarely move between its reports; a node turning
-        suspect or dead settles every report, before a spare needs them)."""
+        peer addresses a node is told above the inline bound (coordinator/buddies.py) include them."""
         return set(self._holders.get((job, rank), ()))
 
     def gone(self, view: ClusterView, now: float) -> frozenset[str]:
@@ -448,8 +412,6 @@ class MemoryLedger:
 
     def snapshots(self, job: str) -> list[Snap]:
         """Every known snapshot of ``job`` (cached per :attr:`generation`)."""
-        if self._pending:
-            self.settle()
         if self._index_at != self.generation:
             index: dict[str, list[Snap]] = {}
             for report in self.reports.values():

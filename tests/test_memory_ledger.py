@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from controller_harness import Clock, cluster, make, run, step
@@ -96,30 +95,7 @@ def test_a_late_report_of_the_same_agent_is_ignored_a_new_incarnations_replaces(
     assert book.take("a", "i2", report(snap(1, 0), version=1)) == 1  # restarted agent: counts from 1 again
     assert [s.step for s in book.snapshots(JOB)] == [1]
     book.take("b", "i1", report(snap(1, 0, owner="x"), snap(1, 1, world=1)))
-    assert book.refused == 0 and book.unsettled == 1  # kept as it came: parsed when something asks
-    assert {s.node for s in book.snapshots(JOB)} == {"a", "b"} and book.refused == 1 and book.unsettled == 0
-
-
-def test_reports_are_parsed_only_when_asked_and_each_snapshot_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A node's report changes every step; the leader parses only the newest when a restore target,
-    a listing or a failure needs it, and a snapshot already parsed is not parsed again."""
-    book = ledger.MemoryLedger()
-    calls: list[tuple[int, int]] = []
-    real = ledger.parse
-
-    def counting(node: str, m: Any, rounds: Any) -> Any:
-        calls.append((m.manifest.step, m.manifest.rank))
-        return real(node, m, rounds)
-
-    monkeypatch.setattr(ledger, "parse", counting)
-    for version, at in enumerate(range(10, 20), start=1):  # ten steps, two snapshots kept of each rank
-        book.take("a", "i1", report(snap(at - 1, 0), snap(at, 0), version=version))
-    assert calls == [] and book.unsettled == 1
-    assert [s.step for s in book.snapshots(JOB)] == [18, 19]
-    assert calls == [(18, 0), (19, 0)]  # the newest report only
-    book.take("a", "i1", report(snap(19, 0), snap(20, 0), version=11))
-    assert book.settle() == 1 and calls[2:] == [(20, 0)]  # step 19 was parsed before
-    assert book.settle() == 0 and book.holders(JOB, 0) == {"a"}
+    assert book.refused == 1 and {s.node for s in book.snapshots(JOB)} == {"a", "b"}
 
 
 def test_the_holders_of_a_rank_follow_the_reports() -> None:
@@ -127,11 +103,8 @@ def test_the_holders_of_a_rank_follow_the_reports() -> None:
     book = ledger.MemoryLedger()
     book.take("a", "i1", report(snap(5, 0), snap(5, 1, owner="b"), snap(6, 1, owner="b")))
     book.take("b", "i1", report(snap(5, 1), snap(5, 0, owner="a")))
-    assert book.holders(JOB, 1) == set()  # as of the last settle (a failure settles at once)
-    book.settle()
     assert book.holders(JOB, 1) == {"a", "b"} and book.holders(JOB, 0) == {"a", "b"}
     book.take("a", "i1", report(snap(6, 0), version=2))  # a no longer holds b's replicas
-    book.settle("a")
     assert book.holders(JOB, 1) == {"b"} and book.holders(JOB, 0) == {"a", "b"}
     book.forget_node("b")
     assert book.holders(JOB, 1) == set() and book.holders(JOB, 0) == {"a"}
