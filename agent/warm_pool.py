@@ -27,6 +27,7 @@ never hit) and reaps them, bounded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -134,32 +135,28 @@ def idle(pid: int) -> bool:
     return True
 
 
-_REVERSIBLE: list[bool] = []
-
-
+@functools.cache
 def idle_reversible() -> bool:
     """Whether a process of this agent can leave ``SCHED_IDLE`` again (``CAP_SYS_NICE``, or an
     ``RLIMIT_NICE`` that allows nice 0): a background standby must, before it trains. Tried once on a
     throwaway thread (a thread's policy is its own), so the agent's threads are never touched."""
-    if not _REVERSIBLE:
-        result = [False]
+    result = [False]
 
-        def attempt() -> None:
-            try:
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-                result[0] = True
-            except (AttributeError, OSError):
-                pass
+    def attempt() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            result[0] = True
+        except (AttributeError, OSError):
+            pass
 
-        probe = threading.Thread(target=attempt, name="ftd-sched-probe", daemon=True)
-        probe.start()
-        probe.join(5.0)
-        _REVERSIBLE.append(result[0])
-        if not result[0]:
-            log.info("standby workers start at normal priority: this agent may not return a process from "
-                     "SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE %s)", _nice_limit())
-    return _REVERSIBLE[0]
+    probe = threading.Thread(target=attempt, name="ftd-sched-probe", daemon=True)
+    probe.start()
+    probe.join(5.0)
+    if not result[0]:
+        log.info("standby workers start at normal priority: this agent may not return a process from "
+                 "SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE %s)", _nice_limit())
+    return result[0]
 
 
 def _nice_limit() -> str:
