@@ -142,11 +142,14 @@ class _Node:
         return max(0, int((now - self.plan.start_at) / self.plan.step_s))
 
     def memory_report(self, step: int, now: float) -> coordinator_pb2.MemoryReport:
-        """The node's memory tier: its ranks' two newest snapshots, and those of the nodes it mirrors."""
+        """The node's memory tier: its ranks' two newest snapshots, and those of the nodes it mirrors.
+        A snapshot's manifest is the same in every report that holds it (a real agent keeps what it
+        announced, agent/memory_report.py): created when its step began, not at each report."""
         snaps = []
         for s in (step - 1, step):
             if s < 1:
                 continue
+            now = self.plan.start_at + s * self.plan.step_s
             for r in range(self.k if self.node_id in self.position else 0):
                 snaps.append(coordinator_pb2.MemorySnapshot(
                     manifest=manifest(s, JOB_EPOCH, self.position[self.node_id] * self.k + r, self.world, now)))

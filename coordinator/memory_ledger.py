@@ -27,7 +27,7 @@ from typing import NamedTuple
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.layout import MAX_RANK, FileEntry, ShardManifest, check_job, files_checksum
 from ftd.throttle import LogThrottle
-from ftd.v1 import cluster_pb2, coordinator_pb2
+from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import shard_rules
 from .rendezvous import JobState
@@ -73,13 +73,23 @@ def snap_of(node: str, manifest: ShardManifest, writer: str, replica: bool = Fal
                 restored, -1 if round_ is None else round_, cadence)
 
 
-def parse(node: str, m: coordinator_pb2.MemorySnapshot,
-          rounds: Mapping[tuple[str, int], tuple[str, ...]]) -> Snap | str:
-    """One reported snapshot, or why it is not taken (cheap checks only). ``rounds``: (job, round) ->
-    its members by node rank, for the rounds this leader has seen: an own rank is taken only from the
-    node holding it in the snapshot's round (:func:`~.shard_rules.holder`); a round it has not seen
-    (older than this leader) is not judged here."""
-    man = m.manifest
+class Manifest(NamedTuple):
+    """What a reported manifest says once checked: a function of its bytes alone, so one parse serves
+    every node that reports the same manifest (an owner's snapshot and its buddy's replica of it)."""
+
+    job: str
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    format: str
+    files: tuple[FileEntry, ...]
+    checksum: str
+    created: float
+
+
+def check_manifest(man: checkpoint_pb2.ShardManifest) -> Manifest | str:
+    """A reported manifest's cheap checks (identifiers, ranges, sizes, checksums' form), or why not."""
     try:
         job = check_job(man.job)
     except ValueError as exc:
@@ -94,6 +104,44 @@ def parse(node: str, m: coordinator_pb2.MemorySnapshot,
     created = man.created_unix_s
     if not math.isfinite(created) or created < 0:
         return f"{job} step {step} rank {rank}: created_unix_s {created}"
+    files = tuple(FileEntry(f.name, f.size, f.crc32c) for f in man.files)
+    if any(f.size < 0 or len(f.crc32c) != 8 for f in files):
+        return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
+    return Manifest(job, step, man.epoch, rank, world, man.format, files, files_checksum(files), created)
+
+
+class ManifestCache:
+    """Checked manifests by their wire form, bounded: two generations of at most ``size`` entries each
+    (the live manifests, two steps of every rank, stay in the newer; a full one becomes the older)."""
+
+    def __init__(self, size: int = 65_536) -> None:
+        self.size = size
+        self.new: dict[bytes, Manifest | str] = {}
+        self.old: dict[bytes, Manifest | str] = {}
+
+    def check(self, man: checkpoint_pb2.ShardManifest) -> Manifest | str:
+        raw = man.SerializeToString(deterministic=True)
+        got = self.new.get(raw)
+        if got is None:
+            got = self.old.get(raw)
+            if got is None:
+                got = check_manifest(man)
+            if len(self.new) >= self.size:
+                self.old, self.new = self.new, {}
+            self.new[raw] = got
+        return got
+
+
+def parse(node: str, m: coordinator_pb2.MemorySnapshot, rounds: Mapping[tuple[str, int], tuple[str, ...]],
+          manifests: ManifestCache | None = None) -> Snap | str:
+    """One reported snapshot, or why it is not taken (cheap checks only). ``rounds``: (job, round) ->
+    its members by node rank, for the rounds this leader has seen: an own rank is taken only from the
+    node holding it in the snapshot's round (:func:`~.shard_rules.holder`); a round it has not seen
+    (older than this leader) is not judged here. ``manifests``: checked manifests, shared by nodes."""
+    man = check_manifest(m.manifest) if manifests is None else manifests.check(m.manifest)
+    if isinstance(man, str):
+        return man
+    job, step, rank, world = man.job, man.step, man.rank, man.world_size
     owner = m.owner
     if m.replica and (not owner or owner == node):
         return f"{job} step {step} rank {rank}: a replica names its owner, another node (got {owner[:100]!r})"
@@ -103,12 +151,9 @@ def parse(node: str, m: coordinator_pb2.MemorySnapshot,
         held = shard_rules.holder(JobState(job, members=members), world, rank)
         if held is not None and held != node:
             return f"{job} step {step} rank {rank}: held by {held} in round {round_}, not by {node}"
-    files = tuple(FileEntry(f.name, f.size, f.crc32c) for f in man.files)
-    if any(f.size < 0 or len(f.crc32c) != 8 for f in files):
-        return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
-    return Snap(node, owner if m.replica else node, m.replica, job, step, man.epoch, rank, world, man.format, files,
-                files_checksum(files), created, m.restored_step if m.HasField("restored_step") else None, round_,
-                m.cadence[:200])
+    return Snap(node, owner if m.replica else node, m.replica, job, step, man.epoch, rank, world, man.format,
+                man.files, man.checksum, man.created, m.restored_step if m.HasField("restored_step") else None,
+                round_, m.cadence[:200])
 
 
 @dataclass(frozen=True)
@@ -265,14 +310,17 @@ class MemoryLedger:
     _gone: tuple[float, int, frozenset[str]] = (-1e18, 0, frozenset())  # (when, id(view), dead or fenced nodes)
     _index: dict[str, list[Snap]] = field(default_factory=dict)
     _holders: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, rank) -> reporting nodes
+    _held: dict[str, frozenset[tuple[str, int]]] = field(default_factory=dict)  # node -> its pairs in _holders
     _index_at: int = -1
     _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
+    manifests: ManifestCache = field(default_factory=ManifestCache)  # kept across terms: a function of bytes
 
     def new_term(self, now: float, nodes: Iterable[str] = ()) -> None:
         """A new leadership: nothing is known until the agents re-announce. ``nodes``: those registered
         at the election (a node first registered later reported to no earlier leader)."""
         self.reports.clear()
         self._holders.clear()
+        self._held.clear()
         self.singles.clear()
         self.rounds.clear()
         self.invalid.clear()
@@ -310,7 +358,7 @@ class MemoryLedger:
         parsed: dict[bytes, Snap] = {}
         for m in report.snapshots:  # a snapshot unchanged since the node's last report is not parsed again
             raw = m.SerializeToString(deterministic=True)
-            snap = before.get(raw) or parse(node, m, self.rounds)
+            snap = before.get(raw) or parse(node, m, self.rounds, self.manifests)
             if isinstance(snap, str):
                 self.refused += 1
                 self._log.log(logging.WARNING, f"refused:{node}", "node %s: memory snapshot not counted: %s", node,
@@ -318,7 +366,7 @@ class MemoryLedger:
             else:
                 taken.append(snap)
                 parsed[raw] = snap
-        self._rehold(node, old.snaps if old is not None else (), taken)
+        self._rehold(node, taken)
         self.reports[node] = _Report(incarnation, report.version, tuple(taken), parsed)
         self.generation += 1
         return len(taken)
@@ -341,7 +389,7 @@ class MemoryLedger:
         if report is not None:
             kept = tuple(s for s in report.snaps if (s.job, s.step, s.rank) != (job, step, rank))
             if len(kept) != len(report.snaps):
-                self._rehold(node, report.snaps, kept)
+                self._rehold(node, kept)
                 report.snaps = kept
                 self.generation += 1
 
@@ -353,20 +401,28 @@ class MemoryLedger:
         """A node no longer alive: its memory tier is gone with it (or fenced off)."""
         report, single = self.reports.pop(node, None), self.singles.pop(node, None)
         if report is not None:
-            self._rehold(node, report.snaps, ())
+            self._rehold(node, ())
         if report is not None or single is not None:
             self.generation += 1
 
-    def _rehold(self, node: str, old: Iterable[Snap], new: Iterable[Snap]) -> None:
-        """Keeps :meth:`holders` in step with a node's report (a few dict operations per snapshot)."""
-        for s in old:
-            nodes = self._holders.get((s.job, s.rank))
+    def _rehold(self, node: str, new: Iterable[Snap]) -> None:
+        """Keeps :meth:`holders` in step with what a node holds now: only the (job, rank) pairs it
+        gained or lost are touched (a new step of the same ranks changes none)."""
+        before, after = self._held.get(node, frozenset()), frozenset((s.job, s.rank) for s in new)
+        if before == after:
+            return
+        for pair in before - after:
+            nodes = self._holders.get(pair)
             if nodes is not None:
                 nodes.discard(node)
                 if not nodes:
-                    del self._holders[(s.job, s.rank)]
-        for s in new:
-            self._holders.setdefault((s.job, s.rank), set()).add(node)
+                    del self._holders[pair]
+        for pair in after - before:
+            self._holders.setdefault(pair, set()).add(node)
+        if after:
+            self._held[node] = after
+        else:
+            self._held.pop(node, None)
 
     def holders(self, job: str, rank: int) -> set[str]:
         """The nodes whose memory holds a snapshot of ``rank`` of ``job`` (its own or a replica): the
@@ -386,7 +442,7 @@ class MemoryLedger:
             for node in gone - before:  # no longer a holder to list (its report stays, copyless)
                 report = self.reports.get(node)
                 if report is not None:
-                    self._rehold(node, report.snaps, ())
+                    self._rehold(node, ())
             if gone != before:
                 self.generation += 1
             self._gone = (now, id(view), gone)
@@ -452,5 +508,5 @@ def late_reason(late: Sequence[str], deadline_s: float) -> str:
             f"{deadline_s:g}s of this leader's election")
 
 
-__all__ = ["MAX_SNAPSHOTS", "MemoryLedger", "Readiness", "Snap", "abandoned_floor", "late_reason",
-           "merge", "parse", "readiness", "snap_of"]
+__all__ = ["MAX_SNAPSHOTS", "Manifest", "ManifestCache", "MemoryLedger", "Readiness", "Snap", "abandoned_floor",
+           "check_manifest", "late_reason", "merge", "parse", "readiness", "snap_of"]

@@ -110,6 +110,42 @@ def test_the_holders_of_a_rank_follow_the_reports() -> None:
     assert book.holders(JOB, 1) == set() and book.holders(JOB, 0) == {"a"}
 
 
+def test_holders_are_touched_only_where_a_report_changes_them_and_a_node_gone_and_back_holds_again() -> None:
+    book = ledger.MemoryLedger()
+    book.take("a", "i1", report(snap(5, 0), snap(5, 1, owner="b")))
+    book.take("a", "i1", report(snap(6, 0), snap(6, 1, owner="b"), version=2))  # same ranks, a newer step
+    assert book.holders(JOB, 0) == {"a"} and book.holders(JOB, 1) == {"a"}
+    book._rehold("a", ())  # what gone() does for a dead or fenced node: its report stays, copyless
+    assert book.holders(JOB, 0) == set()
+    book.take("a", "i2", report(snap(7, 0), snap(7, 1, owner="b")))  # alive again (a new incarnation)
+    assert book.holders(JOB, 0) == {"a"} and book.holders(JOB, 1) == {"a"}
+
+
+def test_a_manifest_is_checked_once_for_its_owner_and_its_buddys_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's snapshot and the buddy's replica carry the same manifest bytes: one parse serves both."""
+    calls: list[int] = []
+    check = ledger.check_manifest
+    monkeypatch.setattr(ledger, "check_manifest", lambda m: calls.append(m.step) or check(m))
+    book = ledger.MemoryLedger()
+    book.take("a", "i1", report(snap(5, 0), snap(5, 1, owner="b")))
+    book.take("b", "i1", report(snap(5, 1), snap(5, 0, owner="a")))
+    assert sorted(calls) == [5, 5]  # two manifests (rank 0 and 1), each checked once
+    a0, b0 = (next(s for s in book.snapshots(JOB) if s.node == n and s.rank == 0) for n in ("a", "b"))
+    assert (a0.writer, a0.replica, b0.writer, b0.replica) == ("a", False, "a", True)
+    assert a0.files is b0.files and a0.checksum == b0.checksum
+    bad = snap(5, 0, crc="zz")
+    assert isinstance(book.manifests.check(bad.manifest), str)  # a refusal is remembered too, as a reason
+
+
+def test_the_manifest_cache_is_bounded_to_two_generations() -> None:
+    cache = ledger.ManifestCache(size=3)
+    manifests = [snap(step, 0).manifest for step in range(1, 8)]
+    for m in manifests:
+        assert isinstance(cache.check(m), ledger.Manifest)
+    assert len(cache.new) + len(cache.old) <= 6 and len(cache.new) <= 3
+    assert cache.check(manifests[-1]) is cache.check(manifests[-1])
+
+
 # ---- merge: the commit-time rules at read time ------------------------------------------------------------------
 
 
