@@ -228,6 +228,7 @@ class Session:
                     self.on_connected(True)
                     self.leader_address = self.client.current
                     log.info("heartbeating to leader %s at %s", response.leader_id, self.client.current)
+                    self.client.warm()  # the standbys' connections, up before a failover needs them
                 self._beacon_answer(response)
                 self._apply(response.assignment)
                 self.on_response(response)

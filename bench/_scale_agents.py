@@ -31,7 +31,7 @@ from ftd.identity import IdentityFiles
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 JOB = "bench"
-OPTIONS = [("grpc.max_concurrent_streams", 100_000)]
+OPTIONS = [("grpc.max_concurrent_streams", 100_000), *rpc.NEVER_IDLE]
 SHARD_BYTES = 2 << 30  # a DCP shard of a 16k-GPU job: ~2 GiB per rank
 # The simulated job is unmanaged (no ftd rendezvous) and does not restart when a node dies: it saves in
 # the epoch it started in, so a dead node's ranks stay restorable from its buddy's replicas (a real job
@@ -57,6 +57,7 @@ class Plan:
     spares: set[str]
     pki_dir: str | None
     keepalive_s: float = 5.0
+    warm: bool = True          # connect the other replicas' channels once answered (a real agent does)
 
 
 @dataclass
@@ -125,15 +126,23 @@ class _Node:
         self.channels: dict[int, aio.Channel] = {}
         self.pending: set[asyncio.Task[None]] = set()
 
-    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+    def _stub(self, endpoint: int | None = None) -> coordinator_pb2_grpc.CoordinatorStub:
         """A channel per replica, kept (as ftd.client does): moving to another replica costs no new
         TLS handshake when its channel is up already."""
-        channel = self.channels.get(self.endpoint)
+        endpoint = self.endpoint if endpoint is None else endpoint
+        channel = self.channels.get(endpoint)
         if channel is None:
             tls = IdentityFiles(Path(self.plan.pki_dir), "node", self.node_id) if self.plan.pki_dir else None
-            channel = self.channels[self.endpoint] = rpc.aio_channel(self.plan.endpoints[self.endpoint], OPTIONS,
-                                                                     tls=tls)
+            channel = self.channels[endpoint] = rpc.aio_channel(self.plan.endpoints[endpoint], OPTIONS, tls=tls)
         return coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def _warm(self) -> None:
+        """The other replicas' channels connected now, as a real agent's once its stream is answered
+        (``CoordinatorClient.warm``): a failover then moves the stream over a connection already up."""
+        for endpoint in range(len(self.plan.endpoints)):
+            if endpoint != self.endpoint:
+                self._stub(endpoint)
+                self.channels[endpoint].get_state(try_to_connect=True)
 
     async def _next_endpoint(self) -> None:
         self.endpoint = (self.endpoint + 1) % len(self.plan.endpoints)
@@ -256,7 +265,10 @@ class _Node:
     async def _read(self, call: Any) -> None:
         try:
             async for response in call:
-                self.answered = True
+                if not self.answered:
+                    self.answered = True
+                    if self.plan.warm:
+                        self._warm()
                 a = response.assignment
                 self.epoch = max(self.epoch, a.epoch)
                 if a.HasField("peers"):

@@ -225,7 +225,8 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         plan = Plan(endpoints=[r.address for r in replicas], hz=args.hz, path=path,
                     ranks_per_node=args.ranks_per_node, memory=args.memory_every_step, step_s=args.step_s, n=n,
                     start_at=start_at, kill_at=kill_at, stop_at=stop_at, victims=victims, spares=spares,
-                    pki_dir=str(pki_dir) if pki_dir is not None and (tls or per_agent) else None)
+                    pki_dir=str(pki_dir) if pki_dir is not None and (tls or per_agent) else None,
+                    warm=not args.cold_standbys)
         queue: Any = mp.Queue()
         workers = [mp.Process(target=worker, args=(plan, ids[i::args.procs], queue)) for i in range(args.procs)]
         for w in workers:
@@ -271,7 +272,8 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         return {
             "agents": n, "path": path, "ranks_per_node": args.ranks_per_node,
             "memory_every_step": args.memory_every_step, "step_s": args.step_s if args.memory_every_step else None,
-            "replicas": args.replicas, "transport": "mTLS + authorization" if tls else "plaintext",
+            "replicas": args.replicas, "warm_standbys": not args.cold_standbys,
+            "transport": "mTLS + authorization" if tls else "plaintext",
             "target_hz": args.hz, "heartbeat_hz": round(alive / window, 1),
             "heartbeat_ratio": round(alive / window / (n * args.hz), 3),
             "stream_messages_per_s": round(stream_hb / window, 1), "beacons_per_s": round(beacons / window, 1),
@@ -339,6 +341,8 @@ def main() -> None:
                     help="rpc, beacons or rpc,beacons (default: both with --memory-every-step, else beacons)")
     ap.add_argument("--replicas", type=int, default=1, help="coordinator replicas (one leads)")
     ap.add_argument("--kill-leader", action="store_true", help="SIGKILL the leader after the window (--replicas >= 2)")
+    ap.add_argument("--cold-standbys", action="store_true",
+                    help="agents connect to a standby only when they move to it (before: no warm connections)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.kill_leader and args.replicas < 2:

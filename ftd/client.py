@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from ftd.identity import COORDINATOR_SERVER_NAME, IdentityFiles, PkiError, TlsMaterial
-from ftd.rpc import Tls, parse_endpoints, rpc_code, rpc_details
+from ftd.rpc import NEVER_IDLE, Tls, connect_now, parse_endpoints, rpc_code, rpc_details
 from ftd.rpc import channel as open_channel
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -142,9 +142,22 @@ class CoordinatorClient:
             if channel is None:
                 # The server must prove it is a coordinator (its certificate's coordinator.ftd.internal), not
                 # only some certificate of the CA for this address: a node's would do for 127.0.0.1.
-                channel = open_channel(endpoint, tls=self._material, server_name=COORDINATOR_SERVER_NAME)
+                channel = open_channel(endpoint, NEVER_IDLE, tls=self._material, server_name=COORDINATOR_SERVER_NAME)
                 self._channels[endpoint] = channel
         return coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def warm(self) -> list[str]:
+        """Connects the channel of every other configured endpoint now, while its replica is a quiet
+        standby: when the leader dies, thousands of agents move their streams to the new leader over
+        connections already up instead of all handshaking TLS with it at once. Returns those endpoints."""
+        others = [e for e in self.endpoints if e != self._current]
+        for endpoint in others:
+            self.stub(endpoint)
+            with self._lock:
+                channel = self._channels.get(endpoint)
+            if channel is not None:
+                connect_now(channel)
+        return others
 
     def follow(self, exc: BaseException) -> bool:
         """Moves to the next endpoint to try after ``exc``: the named leader if any, else the next

@@ -126,6 +126,20 @@ def channel(target: str, options: Sequence[Option] = (), tls: Tls | None = None,
     return grpc.secure_channel(target, client_credentials(tls), options=_client_options(options, server_name))
 
 
+# A channel kept connected without calls (a coordinator standby's): gRPC drops an idle channel's
+# connection after 30 min by default; this one is kept (keepalive pings still find a dead peer).
+NEVER_IDLE: list[Option] = [("grpc.client_idle_timeout_ms", 2**31 - 1)]
+
+
+def connect_now(ch: grpc.Channel) -> None:
+    """Starts ``ch``'s connection (and TLS handshake) now, without a call: gRPC connects lazily, on the
+    first one. Returns at once; the watch ends with the first settled state."""
+    def seen(state: grpc.ChannelConnectivity) -> None:
+        if state not in (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING):
+            ch.unsubscribe(seen)
+    ch.subscribe(seen, try_to_connect=True)
+
+
 def agent_channel(address: str, node_id: str, tls: Tls | None = None) -> grpc.Channel:
     """A channel to the agent of ``node_id`` at ``address`` that over TLS accepts only that node's agent
     certificate (its :func:`~ftd.identity.server_name`), not any certificate naming the address."""

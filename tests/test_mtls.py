@@ -158,6 +158,34 @@ def test_server_name_override(root: Path, tmp_path: Path) -> None:
         server.stop(None)
 
 
+def test_an_agents_client_connects_the_standbys_before_a_failover_needs_them(root: Path) -> None:
+    """``CoordinatorClient.warm``: the channels of the other coordinator endpoints finish their TCP and
+    TLS handshakes with no call made, so a failover moves the streams over connections already up."""
+    from ftd.client import CoordinatorClient
+    from ftd.waiting import wait_for
+
+    servers, ports = [], []
+    for _ in range(3):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=rpc.SERVER_OPTIONS)
+        ports.append(rpc.add_port(server, "127.0.0.1:0", ids(root, "coordinator", "c0")))
+        server.start()
+        servers.append(server)
+    client = CoordinatorClient([f"127.0.0.1:{p}" for p in ports], tls=ids(root, "node", "n1"))
+    try:
+        states: dict[str, list[grpc.ChannelConnectivity]] = {}
+        assert client.warm() == [f"127.0.0.1:{p}" for p in ports[1:]]
+        for endpoint in client.endpoints[1:]:
+            seen = states.setdefault(endpoint, [])
+            client._channels[endpoint].subscribe(seen.append, try_to_connect=False)  # watches, never connects
+        wait_for(lambda: all(grpc.ChannelConnectivity.READY in s for s in states.values()), 15,
+                 "the standbys' channels ready without a call")
+        assert client.endpoints[0] not in client._channels  # the current endpoint connects on its first call
+    finally:
+        client.close()
+        for server in servers:
+            server.stop(None)
+
+
 def test_unix_socket_is_local_and_plaintext(agent: AgentServer, tmp_path: Path, root: Path) -> None:
     target = f"unix:{tmp_path / 'agent.sock'}"
     assert info(target, IdentityFiles(root, "node", "n1")) == "local (unix socket)"  # tls ignored for unix:
