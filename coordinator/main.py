@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -161,6 +162,21 @@ async def serve(settings: CoordinatorSettings) -> int:
     return 0
 
 
+GC_THRESHOLDS = (20_000, 20, 10)  # gen0 allocations, gen0 runs per gen1, gen1 runs per gen2 (CPython: 700, 10, 10)
+
+
+def tune_gc() -> None:
+    """Fewer garbage collections for a leader holding every node's memory report. At 2,000 nodes x 8
+    ranks it keeps ~450,000 objects, many replaced at the memory cadence; with CPython's default
+    thresholds a full collection (0.2-0.5 s, the event loop stopped) came every ~4 s, ~7 % of a core
+    in all (bench/coordinator_scale.py, gc.callbacks), and its pauses delay beacons and ticks. What
+    exists once the process has started (modules, settings) is frozen out of every collection, and
+    young objects are collected less often: 0.7 s of collections in 40 s where there were 3 s."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = load_or_exit(
         CoordinatorSettings, sys.argv[1:] if argv is None else argv, os.environ,
@@ -169,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logs.configure(settings.log_level, component="coordinator")
     harden_process()
+    tune_gc()
     return asyncio.run(serve(settings))
 
 

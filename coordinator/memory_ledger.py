@@ -112,9 +112,11 @@ def check_manifest(man: checkpoint_pb2.ShardManifest) -> Manifest | str:
 
 class ManifestCache:
     """Checked manifests by their wire form, bounded: two generations of at most ``size`` entries each
-    (the live manifests, two steps of every rank, stay in the newer; a full one becomes the older)."""
+    (a full one becomes the older). A manifest is needed again only until its other holder reports,
+    within a step: 16,384 a generation covers a step of 16,000 ranks, and holds no more objects for
+    the garbage collector to walk than that."""
 
-    def __init__(self, size: int = 65_536) -> None:
+    def __init__(self, size: int = 16_384) -> None:
         self.size = size
         self.new: dict[bytes, Manifest | str] = {}
         self.old: dict[bytes, Manifest | str] = {}

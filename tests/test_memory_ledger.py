@@ -407,3 +407,15 @@ def test_the_training_side_retries_an_unavailable_restore_target_bounded(monkeyp
     with pytest.raises(agent_link.AgentUnavailable):
         link.restore_target(JOB)
     assert 2 <= len(calls) <= 5  # retried, then given up after the bound
+
+
+def test_the_leaders_garbage_collector_leaves_the_start_up_objects_alone_and_runs_less_often() -> None:
+    """coordinator/main.py's tune_gc, in a fresh interpreter (this one's collector stays as it is)."""
+    import subprocess
+    import sys
+
+    code = ("import gc; from ftd.coordinator.main import GC_THRESHOLDS, tune_gc; before = gc.get_freeze_count(); "
+            "tune_gc(); print(before, gc.get_freeze_count(), gc.get_threshold() == GC_THRESHOLDS)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    before, frozen, tuned = out.stdout.split()
+    assert before == "0" and int(frozen) > 10_000 and tuned == "True"  # the imported modules' objects
