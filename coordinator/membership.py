@@ -91,7 +91,8 @@ class Membership:
         self._lock = asyncio.Lock()
         self._last_judged: float | None = None
         self._peers_stale = True  # the world or the alive set may have changed since the buddies were chosen
-        self._ring: list[buddies.Peer] = []  # the alive nodes the buddies were chosen among
+        self._ring: list[buddies.Peer] = []  # the alive nodes the buddies were chosen among, by node id
+        self._ring_ids: list[str] = []
         self._reachable: dict[str, buddies.Listed] = {}  # nodes neither dead nor fenced, with an agent address
         self._every: tuple[buddies.Listed, ...] = ()  # _reachable in node id order: the complete listing
         self._buddies: dict[str, buddies.Buddy] = {}
@@ -295,8 +296,8 @@ class Membership:
         buddy = self._buddies.get(node_id)
         if buddy is None:  # dead, fenced, or registered since the last tick: chosen alone
             node = view.nodes.get(node_id)
-            buddy = buddies.choose_buddy(node_id, node.labels.get(label, "") if node is not None else "", self._ring,
-                                         label)
+            buddy = buddies.next_buddy(node_id, node.labels.get(label, "") if node is not None else "", self._ring,
+                                       self._ring_ids, label)
         rank, job = view.rank_of(node_id), view.current_job()
         held: set[str] = set()
         if len(self._reachable) > buddies.INLINE_PEERS_MAX and rank >= 0 and job is not None:
@@ -324,6 +325,7 @@ class Membership:
         if ring == self._ring and reachable == self._reachable:
             return
         self._ring, self._reachable = ring, reachable
+        self._ring_ids = [p.node_id for p in ring]  # sorted: view.nodes is walked in order
         self._every = tuple(reachable.values())
         self._buddies = buddies.choose_buddies(ring, label)
         self._mirrors = buddies.mirrored_by(self._buddies)
