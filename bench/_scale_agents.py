@@ -66,6 +66,7 @@ class _Tally:
     errors: int = 0
     kinds: dict[str, int] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)
+    up: dict[str, list[float]] = field(default_factory=dict)  # node -> when each of its streams was first answered
 
     def count(self, phase: str, exc: BaseException) -> None:
         self.errors += 1
@@ -122,6 +123,7 @@ class _Node:
         self.probed = asyncio.Event()
         self.beacon_seq = 0
         self.report_version = 0
+        self.report: tuple[int, coordinator_pb2.MemoryReport] | None = None  # (step, the report built for it)
         self.endpoint = self.idx % len(plan.endpoints)
         self.channels: dict[int, aio.Channel] = {}
         self.pending: set[asyncio.Task[None]] = set()
@@ -153,7 +155,11 @@ class _Node:
     def memory_report(self, step: int, now: float) -> coordinator_pb2.MemoryReport:
         """The node's memory tier: its ranks' two newest snapshots, and those of the nodes it mirrors.
         A snapshot's manifest is the same in every report that holds it (a real agent keeps what it
-        announced, agent/memory_report.py): created when its step began, not at each report."""
+        announced, agent/memory_report.py): created when its step began, not at each report. Built once
+        per step, as a real agent's inventory changes only with a snapshot (a stream re-opened within the
+        step sends the same report, version and all)."""
+        if self.report is not None and self.report[0] == step:
+            return self.report[1]
         snaps = []
         for s in (step - 1, step):
             if s < 1:
@@ -168,7 +174,9 @@ class _Node:
                         manifest=manifest(s, JOB_EPOCH, self.position[m] * self.k + r, self.world, now),
                         replica=True, owner=m))
         self.report_version += 1
-        return coordinator_pb2.MemoryReport(snapshots=snaps, version=self.report_version)
+        report = coordinator_pb2.MemoryReport(snapshots=snaps, version=self.report_version)
+        self.report = (step, report)
+        return report
 
     async def run(self) -> None:
         plan = self.plan
@@ -267,6 +275,7 @@ class _Node:
             async for response in call:
                 if not self.answered:
                     self.answered = True
+                    self.tally.up.setdefault(self.node_id, []).append(time.time())
                     if self.plan.warm:
                         self._warm()
                 a = response.assignment
@@ -332,7 +341,7 @@ async def _simulate(plan: Plan, ids: list[str], out: Any) -> None:
             await channel.close()
     udp.close()
     tally.sent["nodes_with_mirrors"] = sum(1 for node in nodes if node.mirrors)
-    out.put({"died": tally.died, "errors": tally.errors, "kinds": tally.kinds, "sent": tally.sent})
+    out.put({"died": tally.died, "errors": tally.errors, "kinds": tally.kinds, "sent": tally.sent, "up": tally.up})
 
 
 def worker(plan: Plan, ids: list[str], out: Any) -> None:

@@ -146,9 +146,14 @@ def _restore_latency(address: str, tls: IdentityFiles | None, tries: int = 5) ->
             "restore_target_reason": target.reason[:160]}
 
 
+POLL_S = 0.2  # the failover's restore-target poll: the figures' resolution
+
+
 def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles | None,
                  before: int | None) -> dict[str, Any]:
-    """SIGKILL the leader; poll the others until one answers a complete restore target."""
+    """SIGKILL the leader; poll the others until one answers a complete restore target, every
+    :data:`POLL_S` over one channel each (a channel per poll cost the new leader a TLS handshake each)."""
+    channels = {r.rid: rpc.channel(r.address, tls=tls) for r in replicas if r is not leader}
     killed_at = time.time()
     os.kill(leader.proc.pid, signal.SIGKILL)
     leader.proc.wait(timeout=10)
@@ -158,7 +163,8 @@ def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles 
     while time.monotonic() < deadline and complete_at is None:
         for rep in others:
             try:
-                target = _restore_target(rep.address, tls, timeout=10)  # a first merge of 16,000 ranks under load
+                target = coordinator_pb2_grpc.CoordinatorStub(channels[rep.rid]).GetRestoreTarget(
+                    checkpoint_pb2.GetRestoreTargetRequest(job=JOB), timeout=10)  # a first merge of 16,000 ranks
             except grpc.RpcError as exc:
                 refusals += 1
                 last_error = rpc.describe(exc)[:200]
@@ -170,8 +176,11 @@ def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles 
             if target.found and _has_memory(target) and (before is None or target.checkpoint.step >= before):
                 complete_at, new = now, rep
                 break
-        time.sleep(0.05)
-    out: dict[str, Any] = {"failover_restore_step_before": before, "failover_went_backwards": backwards,
+        time.sleep(POLL_S)
+    for channel in channels.values():
+        channel.close()
+    out: dict[str, Any] = {"failover_killed_at_unix_s": killed_at,
+                           "failover_restore_step_before": before, "failover_went_backwards": backwards,
                            "failover_first_answer_s": _r(first_answer - killed_at) if first_answer else None,
                            "failover_complete_target_s": _r(complete_at - killed_at) if complete_at else None,
                            "failover_refusals": refusals, "failover_last_refusal": last_error}
@@ -183,6 +192,18 @@ def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles 
         out["failover_takeover_s"] = _r(status.leader_since_unix_s - killed_at)
         out["failover_new_leader"] = new.rid
     return out
+
+
+def _agents_back(up: dict[str, list[float]], killed_at: float, victims: set[str]) -> dict[str, Any]:
+    """How long after the leader's SIGKILL each live simulated agent's stream was answered again (by
+    the new leader): the reconnect storm's shape, which the complete restore target waits for."""
+    back = sorted(min(t for t in times if t > killed_at) - killed_at
+                  for node, times in up.items() if node not in victims and any(t > killed_at for t in times))
+    live = len([n for n in up if n not in victims])
+    return {"failover_agents_back_p50_s": _r(percentile(back, 50)),
+            "failover_agents_back_p99_s": _r(percentile(back, 99)),
+            "failover_agents_back_max_s": _r(back[-1]) if back else None,
+            "failover_agents_not_back": live - len(back)}
 
 
 def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool = False,
@@ -252,10 +273,14 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             w.join(timeout=30)
         died: dict[str, float] = {}
         sent: dict[str, int] = {}
+        up: dict[str, list[float]] = {}
         for res in results:
             died.update(res["died"])
+            up.update(res["up"])
             for k, v in res["sent"].items():
                 sent[k] = sent.get(k, 0) + v
+        if "failover_killed_at_unix_s" in failover:
+            failover.update(_agents_back(up, failover.pop("failover_killed_at_unix_s"), set(victims)))
         dead_at = {e.node_id: e.at_unix_s for e in reversed(events) if e.kind == "node_dead"}
         latencies = [dead_at[v] - died[v] for v in victims if v in dead_at and v in died]
         missed = [v for v in victims if v not in dead_at]
