@@ -59,10 +59,11 @@ class Snap(NamedTuple):
     restored: int | None
     round: int  # -1: not known
     cadence: str
+    size: int = -1  # the files' bytes, summed once when reported (-1: not yet, :attr:`bytes` sums them)
 
     @property
     def bytes(self) -> int:
-        return sum(f.size for f in self.files)
+        return self.size if self.size >= 0 else sum(f.size for f in self.files)
 
 
 def snap_of(node: str, manifest: ShardManifest, writer: str, replica: bool = False, restored: int | None = None,
@@ -86,6 +87,7 @@ class Manifest(NamedTuple):
     files: tuple[FileEntry, ...]
     checksum: str
     created: float
+    size: int
 
 
 def check_manifest(man: checkpoint_pb2.ShardManifest) -> Manifest | str:
@@ -107,7 +109,8 @@ def check_manifest(man: checkpoint_pb2.ShardManifest) -> Manifest | str:
     files = tuple(FileEntry(f.name, f.size, f.crc32c) for f in man.files)
     if any(f.size < 0 or len(f.crc32c) != 8 for f in files):
         return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
-    return Manifest(job, step, man.epoch, rank, world, man.format, files, files_checksum(files), created)
+    return Manifest(job, step, man.epoch, rank, world, man.format, files, files_checksum(files), created,
+                    sum(f.size for f in files))
 
 
 class ManifestCache:
@@ -155,7 +158,7 @@ def parse(node: str, m: coordinator_pb2.MemorySnapshot, rounds: Mapping[tuple[st
             return f"{job} step {step} rank {rank}: held by {held} in round {round_}, not by {node}"
     return Snap(node, owner if m.replica else node, m.replica, job, step, man.epoch, rank, world, man.format,
                 man.files, man.checksum, man.created, m.restored_step if m.HasField("restored_step") else None,
-                round_, m.cadence[:200])
+                round_, m.cadence[:200], man.size)
 
 
 @dataclass(frozen=True)
