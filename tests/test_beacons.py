@@ -288,6 +288,12 @@ class _FakeClient:
 
     def __init__(self) -> None:
         self.calls: queue.Queue[_FakeCall] = queue.Queue()
+        self.warmed = 0
+
+    def warm(self) -> list[str]:
+        """The standbys' channels connected (CoordinatorClient.warm): one configured endpoint, none."""
+        self.warmed += 1
+        return []
 
     def register(self, req: coordinator_pb2.RegisterRequest, **kw: object) -> coordinator_pb2.RegisterResponse:
         return coordinator_pb2.RegisterResponse(assignment=cluster_pb2.Assignment(epoch=1, rank=0))
@@ -317,6 +323,7 @@ def test_the_session_goes_quiet_once_beacons_are_confirmed_and_answers_a_probe_a
         call.answers.put(coordinator_pb2.HeartbeatResponse(beacon=target))
         wait_for(lambda: len(call.sent) >= 2 and sender.seq >= 1, 5, "a beat with beacons, unconfirmed")
         assert call.sent[-1][1].beaconing
+        assert client.warmed == 1  # answered: the standbys' connections are opened once, now
         call.answers.put(coordinator_pb2.HeartbeatResponse(beacon_seq_seen=sender.seq))  # confirmed
         wait_for(lambda: session._stream.confirmed, 5, "beacons confirmed")
         quiet_from = len(call.sent)
