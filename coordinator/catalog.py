@@ -384,7 +384,7 @@ class CatalogKeeper:
                     "timeline's, not recorded")
             self.memory.add(ledger.Snap(location, shard.writer, True, job, step, record.epoch, rank, record.world_size,
                                         record.format, shard.files, shard.checksum, shard.committed_unix_s, None,
-                                        record.round, record.cadence))
+                                        record.round, record.cadence, shard.bytes))
         else:
             self.memory.drop(location, job, step, rank)
         new = self._merged_step(job, step) or record

@@ -59,11 +59,11 @@ class Snap(NamedTuple):
     restored: int | None
     round: int  # -1: not known
     cadence: str
-    size: int = -1  # the files' bytes, summed once when reported (-1: not yet, :attr:`bytes` sums them)
+    size: int  # the files' bytes, summed once when reported (a merge reads it for every rank)
 
     @property
     def bytes(self) -> int:
-        return self.size if self.size >= 0 else sum(f.size for f in self.files)
+        return self.size
 
 
 def snap_of(node: str, manifest: ShardManifest, writer: str, replica: bool = False, restored: int | None = None,
@@ -71,7 +71,7 @@ def snap_of(node: str, manifest: ShardManifest, writer: str, replica: bool = Fal
     """A snapshot from an already validated manifest (the CommitShard/RecordCopy compatibility path)."""
     return Snap(node, writer, replica, manifest.job, manifest.step, manifest.epoch, manifest.rank,
                 manifest.world_size, manifest.format, manifest.files, manifest.checksum, manifest.created_unix_s,
-                restored, -1 if round_ is None else round_, cadence)
+                restored, -1 if round_ is None else round_, cadence, manifest.total_bytes)
 
 
 class Manifest(NamedTuple):

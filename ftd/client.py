@@ -135,7 +135,9 @@ class CoordinatorClient:
         log.info("using the rotated certificate of %s/%s for new calls", files.kind, files.name)
 
     def stub(self, endpoint: str | None = None) -> coordinator_pb2_grpc.CoordinatorStub:
-        endpoint = endpoint or self._current
+        return coordinator_pb2_grpc.CoordinatorStub(self._channel(endpoint or self._current))
+
+    def _channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
             self._check_rotation()
             channel = self._channels.get(endpoint)
@@ -144,7 +146,7 @@ class CoordinatorClient:
                 # only some certificate of the CA for this address: a node's would do for 127.0.0.1.
                 channel = open_channel(endpoint, NEVER_IDLE, tls=self._material, server_name=COORDINATOR_SERVER_NAME)
                 self._channels[endpoint] = channel
-        return coordinator_pb2_grpc.CoordinatorStub(channel)
+        return channel
 
     def warm(self) -> list[str]:
         """Connects the channel of every other configured endpoint now, while its replica is a quiet
@@ -152,11 +154,7 @@ class CoordinatorClient:
         connections already up instead of all handshaking TLS with it at once. Returns those endpoints."""
         others = [e for e in self.endpoints if e != self._current]
         for endpoint in others:
-            self.stub(endpoint)
-            with self._lock:
-                channel = self._channels.get(endpoint)
-            if channel is not None:
-                connect_now(channel)
+            connect_now(self._channel(endpoint))
         return others
 
     def follow(self, exc: BaseException) -> bool:
