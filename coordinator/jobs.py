@@ -109,10 +109,13 @@ class JobKeeper:
         for job in evict:
             view.jobs.pop(job, None)
         view.jobs[after.job] = after
-        if before is not None and after.round != before.round:
+        if before is None or after.round != before.round:
+            # The first round too: its warm-up (imports, compilation, caches) is the job's longest,
+            # and the straggler watch must not take it as evidence.
             restore_step = view.newest_restorable(after.job)
             self.round_started(restore_step)
-            self.on_round(before, after, restore_step)
+            if before is not None:
+                self.on_round(before, after, restore_step)
         if before is None or before.round != after.round or before.closed != after.closed:
             log.warning("job %s: round %d (%s)%s", after.job, after.round, after.round_reason,
                         f"; CLOSED: {after.closed_reason}" if after.closed else "")

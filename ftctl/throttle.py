@@ -63,16 +63,30 @@ def tree_pids(root: int | Sequence[int]) -> list[int]:
 
 class CpuThrottle:
     """``with CpuThrottle(pids, 0.3): ...`` (one root pid or several, with their descendants);
-    :attr:`how` says which mechanism held it."""
+    :attr:`how` says which mechanism held it. :meth:`alike` holds several groups (nodes) each to the
+    same share."""
 
     def __init__(self, root: int | Sequence[int], fraction: float, period_s: float = PERIOD_US / 1e6) -> None:
         if not 0.01 <= fraction < 1.0:
             raise ValueError(f"a throttle keeps a fraction in [0.01, 1) of a CPU, got {fraction}")
         self.root, self.fraction, self.period_s = root, fraction, period_s
+        self.groups: list[list[int]] = [[root] if isinstance(root, int) else list(root)]
         self.how = ""
-        self._cgroup: Path | None = None
+        self._cgroups: list[Path] = []
         self._back: Path | None = None  # where the processes go when the throttle ends
         self._cycler: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def alike(cls, groups: Sequence[Sequence[int]], fraction: float,
+              period_s: float = PERIOD_US / 1e6) -> CpuThrottle:
+        """Each group (a node's processes) held to ``fraction`` of a CPU, alike: a cgroup each, or one
+        duty cycle whose run slices for the groups are spread evenly over the period. One cycle, not
+        one per group: separate cycles drift apart on a loaded box and the group whose cycler wakes
+        late runs longer (CI once measured two "alike" nodes 2x apart); slices spread apart, not in
+        step: groups continued together contend for the cores in the order they were signalled."""
+        throttle = cls([pid for group in groups for pid in group], fraction, period_s)
+        throttle.groups = [list(group) for group in groups]
+        return throttle
 
     def __enter__(self) -> CpuThrottle:
         self.start()
@@ -84,8 +98,6 @@ class CpuThrottle:
     def start(self) -> str:
         period_us = max(1000, int(self.period_s * 1e6))  # the kernel's least CFS period is 1 ms
         quota = max(1000, int(self.fraction * period_us))
-        first = self.root if isinstance(self.root, int) else min(self.root, default=0)
-        name = f"ftd-throttle-{os.getpid()}-{first}"
         ways = (("cgroup v2 cpu.max", CGROUP_ROOT, {"cpu.max": f"{quota} {period_us}"}),
                 ("cgroup v1 cpu.cfs_quota_us", CGROUP_ROOT / "cpu",
                  {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota)}))
@@ -94,34 +106,35 @@ class CpuThrottle:
                 continue
             if how.startswith("cgroup v1") and not all((base / k).exists() for k in knobs):
                 continue
-            group = base / name
             try:
                 if how.startswith("cgroup v2") and "cpu" not in _read(base / "cgroup.subtree_control").split():
                     (base / "cgroup.subtree_control").write_text("+cpu")
-                group.mkdir(exist_ok=True)
-                for each, value in knobs.items():
-                    (group / each).write_text(value)
-                for pid in tree_pids(self.root):
-                    with contextlib.suppress(ProcessLookupError, OSError):
-                        (group / "cgroup.procs").write_text(str(pid))
+                for group_roots in self.groups:
+                    group = base / f"ftd-throttle-{os.getpid()}-{min(group_roots, default=0)}"
+                    group.mkdir(exist_ok=True)
+                    self._cgroups.append(group)
+                    for each, value in knobs.items():
+                        (group / each).write_text(value)
+                    for pid in tree_pids(group_roots):
+                        with contextlib.suppress(ProcessLookupError, OSError):
+                            (group / "cgroup.procs").write_text(str(pid))
             except OSError as exc:
                 log.info("%s not usable here (%s); trying the next way", how, exc)
-                with contextlib.suppress(OSError):
-                    group.rmdir()
+                self._release(base)
                 continue
-            self._cgroup, self._back, self.how = group, base, how
+            self._back, self.how = base, how
             return how
         self.how = "SIGSTOP/SIGCONT duty cycle"
         # A process of its own: a thread here would wait for this interpreter's GIL (5 ms slices while
         # the caller parses logs or polls), and slices of a few ms would come late and uneven.
-        roots = [self.root] if isinstance(self.root, int) else list(self.root)
         self._cycler = subprocess.Popen(
-            [sys.executable, "-m", "ftd.ftctl.throttle", str(self.fraction), str(self.period_s), *map(str, roots)],
+            [sys.executable, "-m", "ftd.ftctl.throttle", str(self.fraction), str(self.period_s),
+             *(",".join(map(str, group)) for group in self.groups)],
             stdin=subprocess.DEVNULL)
         return self.how
 
     def stop(self) -> None:
-        """Ends the throttle: the processes back in the parent cgroup (or continued), the cgroup removed."""
+        """Ends the throttle: the processes back in the parent cgroup (or continued), the cgroups removed."""
         if self._cycler is not None:
             self._cycler.terminate()  # it continues its processes on the way out
             try:
@@ -130,38 +143,61 @@ class CpuThrottle:
                 self._cycler.kill()
                 self._cycler.wait(timeout=5.0)
             self._cycler = None
-            _signal(tree_pids(self.root), signal.SIGCONT)
-        if self._cgroup is not None and self._back is not None:
-            for pid in _read(self._cgroup / "cgroup.procs").split():
+            _signal(tree_pids([pid for group in self.groups for pid in group]), signal.SIGCONT)
+        if self._back is not None:
+            self._release(self._back)
+            self._back = None
+
+    def _release(self, back: Path) -> None:
+        for group in self._cgroups:
+            for pid in _read(group / "cgroup.procs").split():
                 with contextlib.suppress(OSError):
-                    (self._back / "cgroup.procs").write_text(pid)
+                    (back / "cgroup.procs").write_text(pid)
             with contextlib.suppress(OSError):
-                self._cgroup.rmdir()
-            self._cgroup = None
+                group.rmdir()
+        self._cgroups = []
 
 
-def duty_cycle(roots: Sequence[int], fraction: float, period_s: float, parent: int) -> None:
-    """Stops and continues ``roots`` and their descendants (looked up every ``PIDS_EVERY_S``) in
-    slices of ``period_s`` until SIGTERM or until ``parent`` is gone; continues them on the way out."""
-    run_s, stop_s = fraction * period_s, (1 - fraction) * period_s
+def schedule(groups: int, fraction: float, period_s: float) -> list[tuple[float, int, int]]:
+    """One period of the duty cycle: ``(offset_s, group, signal)`` in time order. Group ``i`` runs
+    from ``i * period / groups`` for ``fraction * period`` (wrapping into the next period)."""
+    events = []
+    for i in range(groups):
+        begin = i * period_s / groups
+        events.append((begin, i, signal.SIGCONT))
+        events.append(((begin + fraction * period_s) % period_s, i, signal.SIGSTOP))
+    return sorted(events, key=lambda e: (e[0], e[2] == signal.SIGCONT))
+
+
+def duty_cycle(groups: Sequence[Sequence[int]], fraction: float, period_s: float, parent: int) -> None:
+    """Stops and continues each group's roots and their descendants (looked up every
+    ``PIDS_EVERY_S``) on :func:`schedule`'s slices until SIGTERM or until ``parent`` is gone;
+    continues them on the way out. Deadlines are absolute, so a late wake-up shortens the next
+    wait instead of shifting every later slice."""
     # Real-time priority where allowed (root): on a loaded box an ordinary process wakes a few ms
     # late, and every late SIGSTOP lengthens a 2 ms run slice; the cycle itself uses almost no CPU.
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
     ending = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: ending.set())
-    held: list[int] = []
+    plan = schedule(len(groups), fraction, period_s)
+    held: list[list[int]] = [[] for _ in groups]
     looked = float("-inf")
     try:
+        for group in groups:
+            _signal(tree_pids(group), signal.SIGSTOP)
+        cycle = time.monotonic()
         while not ending.is_set() and os.getppid() == parent:
             if time.monotonic() - looked >= PIDS_EVERY_S:
-                held, looked = tree_pids(roots), time.monotonic()
-            _signal(held, signal.SIGSTOP)
-            ending.wait(stop_s)
-            _signal(held, signal.SIGCONT)
-            ending.wait(run_s)
+                held, looked = [tree_pids(group) for group in groups], time.monotonic()
+            for offset, i, sig in plan:
+                ending.wait(max(0.0, cycle + offset - time.monotonic()))
+                _signal(held[i], sig)
+            cycle += period_s
+            if time.monotonic() - cycle > period_s:  # far behind (a stall): start afresh, not catch up
+                cycle = time.monotonic()
     finally:
-        _signal(tree_pids(roots), signal.SIGCONT)
+        _signal(tree_pids([pid for group in groups for pid in group]), signal.SIGCONT)
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -177,8 +213,9 @@ def _read(path: Path) -> str:
         return ""
 
 
-__all__ = ["CpuThrottle", "duty_cycle", "tree_pids"]
+__all__ = ["CpuThrottle", "duty_cycle", "schedule", "tree_pids"]
 
 
-if __name__ == "__main__":  # the duty cycle's own process: FRACTION PERIOD_S ROOT_PID...
-    duty_cycle([int(a) for a in sys.argv[3:]], float(sys.argv[1]), float(sys.argv[2]), os.getppid())
+if __name__ == "__main__":  # the duty cycle's own process: FRACTION PERIOD_S GROUP... (a group: PID,PID,...)
+    duty_cycle([[int(p) for p in a.split(",") if p] for a in sys.argv[3:]], float(sys.argv[1]),
+               float(sys.argv[2]), os.getppid())

@@ -66,6 +66,34 @@ def test_a_busy_process_group_is_held_to_its_share(busy: subprocess.Popen[bytes]
                        (throttle.CGROUP_ROOT, throttle.CGROUP_ROOT / "cpu") if base.is_dir() for p in base.iterdir())
 
 
+def test_the_schedule_spreads_the_groups_slices_over_the_period() -> None:
+    plan = [(round(offset * 1e3, 3), group, sig) for offset, group, sig in throttle.schedule(2, 0.35, 0.01)]
+    assert plan == [(0.0, 0, signal.SIGCONT), (3.5, 0, signal.SIGSTOP), (5.0, 1, signal.SIGCONT),
+                    (8.5, 1, signal.SIGSTOP)]
+    # A slice longer than the gap wraps into the next period; a stop due when another group starts comes first.
+    wrapped = [(round(offset * 1e3, 3), group, sig) for offset, group, sig in throttle.schedule(2, 0.5, 0.01)]
+    assert wrapped == [(0.0, 1, signal.SIGSTOP), (0.0, 0, signal.SIGCONT), (5.0, 0, signal.SIGSTOP),
+                       (5.0, 1, signal.SIGCONT)]
+
+
+def test_groups_held_alike_get_the_same_share(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two "nodes" (busy processes) under one duty cycle: each near the share, and alike."""
+    monkeypatch.setattr(throttle, "CGROUP_ROOT", tmp_path / "no-cgroupfs")
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True) for _ in range(2)]
+    try:
+        with CpuThrottle.alike([[p.pid] for p in procs], 0.3) as held:
+            assert held.how.startswith("SIGSTOP")
+            c0, t0 = [cpu_seconds(p.pid) for p in procs], time.monotonic()
+            time.sleep(2.0)  # a measurement over a fixed interval, not a wait for a condition
+            got = [(cpu_seconds(p.pid) - c) / (time.monotonic() - t0) for p, c in zip(procs, c0, strict=True)]
+        assert all(0.05 < g < 0.6 for g in got), f"shares {got} (0.3 each, generously bounded)"
+        assert max(got) < 1.6 * min(got), f"shares {got}: held alike"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+
+
 def test_a_fraction_outside_its_range_is_refused() -> None:
     with pytest.raises(ValueError, match="fraction"):
         CpuThrottle(1, 1.0)
