@@ -255,7 +255,8 @@ def bitflip(ctx: Context) -> Outcome:
 SCENARIOS = [
     Scenario("slow-node", "a node throttled to a fifth of a CPU: found as a straggler, handed over to the spare "
              "with no step lost, the step rate back", slow_node, SLOW, timeout_s=300.0),
-    Scenario("uniform-slowdown", "every node throttled alike: no straggler, nobody replaced", uniform_slowdown, UNIFORM),
+    Scenario("uniform-slowdown", "every node throttled alike: no straggler, nobody replaced", uniform_slowdown,
+             UNIFORM),
     Scenario("nan-step", "one rank's loss NaN at step N: rolled back once to a step before N, the later checkpoints "
              "suspect, the rerun clean", nan_step, NAN),
     Scenario("bitflip", "a flipped parameter bit on one data-parallel rank: the replica fingerprints catch it, its "
