@@ -15,8 +15,8 @@ speed. So the holder's agent offers the copy (the ``OpenShard`` RPC, over mTLS, 
   private and as authenticated as on the gRPC path. AES-GCM runs at 8-9 GB/s a core here and
   releases the GIL. The copy is CPU-bound on loopback (the cipher on both ends, two socket copies,
   the landing): the holder seals and sends in one thread, straight from the file's pages; the
-  receiver opens each record in place as it arrives, in the slot of the landing reserve prepared
-  for it (:mod:`.landing`), else in a buffer that a second thread writes into the file;
+  receiver opens each record as it arrives straight into the slot of the landing reserve prepared
+  for it (:mod:`.landing`), else into a buffer that a second thread writes into the file;
 * the receiver checks every file's CRC32C (the catalog's, ``expected``, else the holder's manifest's)
   on the plaintext as it lands, still in cache, and a file appears under its name only once it
   matched. The holder does not hash what it sends (that pass cost the sender, the slower end, a
@@ -300,14 +300,14 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
     :class:`BulkError`.
 
     Two threads, each about half the work (this is CPU-bound: on loopback the copies, the cipher
-    and the landing cost more than the wire): this one receives a record into a free buffer and
-    opens it in place (the cipher releases the GIL); a writer copies the plaintext into the file
+    and the landing cost more than the wire): this one receives a record and opens it into a free
+    buffer (the cipher releases the GIL); a writer copies the plaintext into the file
     (``pwrite`` into tmpfs: the bytes land in the memory tier's pages, which whoever loads the
     copy maps) and hands the buffer back.
 
     ``landing`` (the agent's :class:`~.landing.LandingReserve`) may offer a prepared slot for a
-    file: its records are then received straight into the slot's mapped pages and opened in place
-    (one copy fewer, no page allocated or faulted in on the way), and the slot is renamed into
+    file: its records are then opened straight into the slot's mapped pages (one copy fewer, no
+    page allocated or faulted in on the way), and the slot is renamed into
     place once the file matched."""
     dest.mkdir(parents=True, exist_ok=True)
     if expected is not None:
@@ -339,6 +339,7 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
 
     writer = threading.Thread(target=write, name="ftd-bulk-land", daemon=True)
     writer.start()
+    sealed = memoryview(bytearray(chunk + TAG))  # each record as it came off the wire
     total = 0
     try:
         with socket.create_connection((host, port), timeout=10.0) as conn:
@@ -350,7 +351,7 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
                 slot = landing(name, size) if landing is not None else None
                 if slot is not None:
                     try:
-                        total += _receive_in_place(conn, slot, key, transfer, index, name, size, chunk,
+                        total += _receive_into_slot(conn, slot, sealed, key, transfer, index, name, size, chunk,
                                                    want if check else "")
                         slot.finish(dest / name, size)
                     except BaseException:
@@ -365,11 +366,11 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
                     if buf is None:
                         break
                     view = memoryview(buf)
-                    _recv_into(conn, view[:length + TAG])
+                    _recv_into(conn, sealed[:length + TAG])
                     opener = Cipher(algorithms.AES(key), modes.GCM(_nonce(index, record),
-                                                                   bytes(view[length:length + TAG]))).decryptor()
+                                                                   bytes(sealed[length:length + TAG]))).decryptor()
                     opener.authenticate_additional_data(transfer)
-                    opener.update_into(view[:length], view)  # in place: OpenSSL's GCM allows in == out
+                    opener.update_into(sealed[:length], view)
                     try:
                         opener.finalize()
                     except InvalidTag as exc:
@@ -405,21 +406,23 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
     return total
 
 
-def _receive_in_place(conn: socket.socket, slot: Slot, key: bytes, transfer: bytes, index: int, name: str, size: int,
-                      chunk: int, want: str) -> int:
-    """One file's records received into ``slot``'s mapping and opened there (``want``: the CRC32C
-    the plaintext must have, "" for none)."""
-    tag = bytearray(TAG)
+def _receive_into_slot(conn: socket.socket, slot: Slot, sealed: memoryview, key: bytes, transfer: bytes, index: int,
+                      name: str, size: int, chunk: int, want: str) -> int:
+    """One file's records received into ``sealed`` and opened straight into ``slot``'s mapping
+    (``want``: the CRC32C the plaintext must have, "" for none).
+
+    Not opened in place: cryptography 51 refuses overlapping input and output buffers ("data and
+    buf must not overlap"), and a record read into a reused 1 MiB buffer costs the same."""
     crc = 0
     with memoryview(slot.map) as mapped:
         for record, length in _records(size, chunk):
             start = record * chunk
             with mapped[start:start + length] as piece, mapped[start:start + length + TAG] as room:
-                _recv_into(conn, piece)
-                _recv_into(conn, memoryview(tag))
-                opener = Cipher(algorithms.AES(key), modes.GCM(_nonce(index, record), bytes(tag))).decryptor()
+                _recv_into(conn, sealed[:length + TAG])
+                opener = Cipher(algorithms.AES(key), modes.GCM(_nonce(index, record),
+                                                               bytes(sealed[length:length + TAG]))).decryptor()
                 opener.authenticate_additional_data(transfer)
-                opener.update_into(piece, room)  # in place; the cipher wants a block of room past the bytes
+                opener.update_into(sealed[:length], room)  # the cipher wants a block of room past the bytes
                 try:
                     opener.finalize()
                 except InvalidTag as exc:
