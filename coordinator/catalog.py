@@ -88,7 +88,9 @@ class CatalogKeeper:
         # Merged records and restore targets are cached until the ledger, the durable records or the
         # nodes' states change: after a failure every rank asks for the same target at once.
         self._generation = 0  # bumped with every change of the durable records
-        self._merged: dict[str, tuple[tuple[int, int, int], list[rules.CheckpointRecord]]] = {}
+        # job -> (key, merged, settled key, built at, build seconds): see memory_ledger.merge_due
+        self._merged: dict[str, tuple[tuple[int, int, int], list[rules.CheckpointRecord], tuple[int, int, int],
+                                      float, float]] = {}
         self._targets: dict[tuple[object, ...], checkpoint_pb2.RestoreTarget] = {}
         self.clock, self.memory_in_etcd = clock, False  # True: memory RPCs go to etcd as before issue 19 (bench)
         self.limiter = limiter or rate_limits.WriteLimiter()
@@ -312,11 +314,15 @@ class CatalogKeeper:
     def merged(self, job: str) -> list[rules.CheckpointRecord]:
         """The job's durable records merged with the memory snapshots of its alive nodes."""
         view = self.state.require_leader()
-        self.memory.gone(view, self.clock())  # a dead node's report goes: its memory died with it
+        now = self.clock()
+        self.memory.gone(view, now)  # a dead node's report goes: its memory died with it
         key = (self.memory.generation, self._generation, id(view))
+        settled = (self.memory.settled, self._generation, id(view))
         cached = self._merged.get(job)
-        if cached is not None and cached[0] == key:
+        if cached is not None and (cached[0] == key or (cached[2] == settled
+                                   and not ledger.merge_due(now, cached[3], cached[4]))):
             return cached[1]
+        began = time.perf_counter()
         durable = [r for (j, _), r in view.catalog.items() if j == job]
         state = view.jobs.get(job)
         suspect = (state.suspect_from, state.suspect_unix_s) if state is not None and state.suspect_from >= 0 else None
@@ -324,7 +330,7 @@ class CatalogKeeper:
                                      lambda epoch, round_: self.held(job, epoch, round_), suspect)
         if len(self._merged) >= MAX_JOB_SERIES:
             self._merged.clear()
-        self._merged[job] = (key, merged)
+        self._merged[job] = (key, merged, settled, now, time.perf_counter() - began)
         return merged
 
     def _merged_step(self, job: str, step: int) -> rules.CheckpointRecord | None:
@@ -457,7 +463,7 @@ class CatalogKeeper:
             if (job, step) not in self._records() and (record := self._merged_step(job, step)) is not None:
                 # only in memory: marked in the ledger (soft, as the snapshots are)
                 self.memory.invalid[(job, step)] = reason
-                self.memory.generation += 1
+                self.memory.changed()
                 log.warning("memory-only checkpoint %s step %d marked invalid: %s", job, step, reason)
                 return rules.to_info(replace(record, invalid_reason=record.invalid_reason or reason))
             record = self._get(job, step)

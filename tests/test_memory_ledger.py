@@ -295,6 +295,46 @@ def test_a_dead_nodes_memory_copies_do_not_count_but_its_shards_stay_defined() -
     run(go)
 
 
+def test_an_expensive_merge_is_rebuilt_for_reports_at_a_bounded_rate_and_at_once_for_anything_else() -> None:
+    """merge_due: a cheap merge is rebuilt on every change; an expensive one that only reports changed
+    waits took / MERGE_SHARE, never more than MERGE_MAX_AGE_S."""
+    assert ledger.merge_due(now=10.0, built_at=10.0, took_s=0.001)  # cheap: at once
+    assert not ledger.merge_due(now=10.2, built_at=10.0, took_s=0.05)  # 50 ms: again after 0.5 s
+    assert ledger.merge_due(now=10.5, built_at=10.0, took_s=0.05)
+    assert not ledger.merge_due(now=10.9, built_at=10.0, took_s=0.4)
+    assert ledger.merge_due(now=10.0 + ledger.MERGE_MAX_AGE_S, built_at=10.0, took_s=0.4)  # capped
+    book = ledger.MemoryLedger()
+    book.take("a", "i1", report(snap(12, 0)))
+    assert (book.generation, book.settled) == (1, 0), "a report changes the snapshots, not what is settled"
+    book.mark_bad(JOB, 12, 0, "a", "checksum")
+    book.forget_node("a")
+    assert (book.generation, book.settled) == (3, 2)
+
+
+def test_the_catalog_coalesces_report_only_rebuilds_of_an_expensive_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def go() -> None:
+        monkeypatch.setattr(ledger, "MERGE_FRESH_S", 0.0)  # every merge counts as expensive
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        await cluster(ctl, clock)
+        cat = ctl.catalog
+        cat.take_report("a", "i1", report(snap(12, 0), snap(12, 1, owner="b")))
+        cat.take_report("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
+        assert cat.restore_target(JOB).checkpoint.step == 12
+        cat.take_report("a", "i1", report(snap(13, 0), snap(13, 1, owner="b"), version=2))
+        cat.take_report("b", "i1", report(snap(13, 1), snap(13, 0, owner="a"), version=2))
+        assert cat.restore_target(JOB).checkpoint.step == 12, "reports only, just rebuilt: the same answer"
+        clock.advance(ledger.MERGE_MAX_AGE_S)
+        assert cat.restore_target(JOB).checkpoint.step == 13, "due again: the newer step"
+        cat.take_report("a", "i1", report(snap(14, 0), snap(14, 1, owner="b"), version=3))
+        cat.take_report("b", "i1", report(snap(14, 1), snap(14, 0, owner="a"), version=3))
+        assert cat.restore_target(JOB).checkpoint.step == 13
+        await cat.invalidate(checkpoint_pb2.InvalidateCheckpointRequest(job=JOB, step=13, reason="bad"))
+        assert cat.restore_target(JOB).checkpoint.step == 14, "anything but a report rebuilds at once"
+
+    run(go)
+
+
 def test_the_old_mem_rpcs_land_in_the_ledger_not_in_etcd() -> None:
     async def go() -> None:
         clock = Clock()
