@@ -27,6 +27,7 @@ import grpc
 from grpc import aio
 
 from ftd import rpc
+from ftd.client import next_endpoint
 from ftd.identity import IdentityFiles
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -147,7 +148,12 @@ class _Node:
                 self.channels[endpoint].get_state(try_to_connect=True)
 
     async def _next_endpoint(self) -> None:
-        self.endpoint = (self.endpoint + 1) % len(self.plan.endpoints)
+        """As ``CoordinatorClient.follow`` with no leader named: the next replica whose channel is not
+        in TRANSIENT_FAILURE (a dead one refuses connections)."""
+        endpoints = self.plan.endpoints
+        broken = {endpoints[i] for i, ch in self.channels.items()
+                  if ch.get_state() in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)}
+        self.endpoint = endpoints.index(next_endpoint(endpoints, endpoints[self.endpoint], broken))
 
     def step(self, now: float) -> int:
         return max(0, int((now - self.plan.start_at) / self.plan.step_s))

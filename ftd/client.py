@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -81,6 +81,16 @@ def leader_hint(exc: BaseException) -> str | None:
     return None
 
 
+def next_endpoint(endpoints: Sequence[str], current: str, broken: Collection[str] = ()) -> str:
+    """The endpoint to try after ``current`` when no leader was named: the next configured one whose
+    connection is not known broken, else simply the next. A SIGKILLed replica refuses connections; in
+    plain rotation every other try of a two-replica cluster's failover went there and cost a backoff.
+    ``current`` itself comes last (a standby that knows no leader yet is worth asking again)."""
+    index = list(endpoints).index(current) if current in endpoints else -1
+    order = [endpoints[(index + k) % len(endpoints)] for k in range(1, len(endpoints) + 1)]
+    return next((e for e in order if e not in broken), order[0])
+
+
 class CoordinatorClient:
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0, tls: Tls | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -90,6 +100,7 @@ class CoordinatorClient:
         self.clock = clock
         self._current = self.endpoints[0]
         self._channels: dict[str, grpc.Channel] = {}
+        self.broken: set[str] = set()  # endpoints whose channel is in TRANSIENT_FAILURE now (follow skips them)
         self._retired: list[grpc.Channel] = []
         self._lock = threading.Lock()
         # The certificate the channels are opened with: read once here (a bad identity fails now,
@@ -146,7 +157,19 @@ class CoordinatorClient:
                 # only some certificate of the CA for this address: a node's would do for 127.0.0.1.
                 channel = open_channel(endpoint, NEVER_IDLE, tls=self._material, server_name=COORDINATOR_SERVER_NAME)
                 self._channels[endpoint] = channel
+                channel.subscribe(self._watch(endpoint, channel))
         return channel
+
+    def _watch(self, endpoint: str, channel: grpc.Channel) -> Callable[[grpc.ChannelConnectivity], None]:
+        """Keeps :attr:`broken` in step with ``channel``'s state (called on gRPC's thread)."""
+        def seen(state: grpc.ChannelConnectivity) -> None:
+            if self._channels.get(endpoint) is not channel:  # retired by a rotation: its state says nothing
+                return
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                self.broken.add(endpoint)
+            else:
+                self.broken.discard(endpoint)
+        return seen
 
     def warm(self) -> list[str]:
         """Connects the channel of every other configured endpoint now, while its replica is a quiet
@@ -164,8 +187,7 @@ class CoordinatorClient:
         if hint:
             self._current = hint
             return True
-        index = self.endpoints.index(self._current) if self._current in self.endpoints else -1
-        self._current = self.endpoints[(index + 1) % len(self.endpoints)]
+        self._current = next_endpoint(self.endpoints, self._current, self.broken)
         return hint is not None  # "" = a standby that knows no leader: not processed either
 
     def call(self, method: str, request: Any, *, idempotent: bool, timeout_s: float | None = None,

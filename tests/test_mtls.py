@@ -186,6 +186,38 @@ def test_an_agents_client_connects_the_standbys_before_a_failover_needs_them(roo
             server.stop(None)
 
 
+def test_a_failover_skips_a_replica_that_refuses_connections(root: Path) -> None:
+    """With no leader named, ``follow`` moves to the next replica whose channel is not broken: a
+    SIGKILLed replica's refused connections are seen by its channel, not paid for with a backoff."""
+    from ftd.client import CoordinatorClient, next_endpoint
+    from ftd.waiting import wait_for
+
+    assert next_endpoint(["a", "b", "c"], "a") == "b"
+    assert next_endpoint(["a", "b", "c"], "a", {"b"}) == "c"
+    assert next_endpoint(["a", "b"], "b", {"a"}) == "b", "a standby knowing no leader yet is asked again"
+    assert next_endpoint(["a", "b"], "b", {"a", "b"}) == "a", "all broken: plain rotation"
+    servers, ports = [], []
+    for _ in range(3):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=rpc.SERVER_OPTIONS)
+        ports.append(rpc.add_port(server, "127.0.0.1:0", ids(root, "coordinator", "c0")))
+        server.start()
+        servers.append(server)
+    client = CoordinatorClient([f"127.0.0.1:{p}" for p in ports], tls=ids(root, "node", "n1"))
+    try:
+        client.warm()
+        dead = client.endpoints[1]
+        wait_for(lambda: client.endpoints[2] not in client.broken and dead not in client.broken
+                 and len(client._channels) == 2, 15, "the standbys' channels up")
+        servers[1].stop(None)  # as a SIGKILLed replica: its port refuses
+        wait_for(lambda: dead in client.broken, 30, f"{dead}'s channel seen broken")
+        client.follow(RuntimeError("no leader named"))
+        assert client.current == client.endpoints[2], f"went to {client.current}"
+    finally:
+        client.close()
+        for server in servers:
+            server.stop(None)
+
+
 def test_unix_socket_is_local_and_plaintext(agent: AgentServer, tmp_path: Path, root: Path) -> None:
     target = f"unix:{tmp_path / 'agent.sock'}"
     assert info(target, IdentityFiles(root, "node", "n1")) == "local (unix socket)"  # tls ignored for unix:
