@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,37 @@ class StreamState:
     confirmed: bool = False  # the leader has accepted a beacon sent after ``mark``
     mark: int = 0  # beacon seq the leader's beacon_seq_seen must pass to confirm them
     probed: bool = False  # a probe waits for its answer
+    answer_interval_s: float = 0.0  # the leader answers a quiet stream at least this often (BeaconTarget's)
+    sent_quiet: bool = False  # the last message said the stream is quiet (:func:`quiet`)
+
+
+def quiet(state: StreamState, beaconing: bool, now: float, echo_at: float | None, policy: StreamPolicy) -> bool:
+    """The stream is quiet: beacons carry this node's liveness, the leader confirmed them (no probe waits)
+    and its echoes say it lives (one came within a keepalive's period). Its messages are news the leader
+    answers only every ``state.answer_interval_s`` (0: a leader that answers everything)."""
+    return (beaconing and state.confirmed and not state.probed and state.answer_interval_s > 0
+            and echo_at is not None and now - echo_at <= policy.keepalive_s)
+
+
+def confirm_echo(state: StreamState, seen: int) -> None:
+    """An echo of the leader (``seen``: the newest beacon it accepted) confirms beacons as an answer does."""
+    if not state.probed and seen > state.mark:
+        state.confirmed = True
+
+
+def leader_silent(now: float, last_answer: float, echo_at: float | None, state: StreamState, beaconing: bool,
+                  timeout_s: float, policy: StreamPolicy) -> str | None:
+    """Why this agent gives its leader up (None: it lives). No answer and no echo for ``timeout_s``, or
+    with confirmed beacons (the stream quiet by design) a keepalive's period more; and on a quiet stream no
+    answer at all for the leader's answer interval more than that (echoes arrive, the stream does not)."""
+    calm = beaconing and state.confirmed and not state.probed
+    limit = timeout_s + (policy.keepalive_s if calm else 0.0)
+    heard = max(last_answer, echo_at) if echo_at is not None and calm else last_answer
+    if now - heard > limit:
+        return f"no answer{' or echo' if calm else ''} for {now - heard:.1f}s"
+    if calm and state.answer_interval_s > 0 and now - last_answer > limit + state.answer_interval_s:
+        return f"echoes but no answer on the stream for {now - last_answer:.1f}s"
+    return None
 
 
 def progress_events(progress: cluster_pb2.Progress) -> tuple[object, ...]:
@@ -55,9 +87,9 @@ def progress_events(progress: cluster_pb2.Progress) -> tuple[object, ...]:
 
 def stream_due(now: float, beaconing: bool, state: StreamState, epoch: int, verdict: tuple[bool, str] | None,
                progress: object, memory_changed: bool, policy: StreamPolicy,
-               events: tuple[object, ...] = ()) -> str | None:
+               events: tuple[object, ...] = (), calm: bool = False) -> str | None:
     """Why the stream needs a message now (None: the beacons say enough). Called every ``interval_s``;
-    ``events``: :func:`progress_events` of ``progress``."""
+    ``events``: :func:`progress_events` of ``progress``; ``calm``: :func:`quiet` now."""
     if state.sent_at is None:
         return "first message of the stream"
     if not beaconing:
@@ -66,6 +98,8 @@ def stream_due(now: float, beaconing: bool, state: StreamState, epoch: int, verd
         return "probed by the leader"
     if not state.confirmed:
         return "beacons not confirmed by the leader yet"
+    if state.sent_quiet and not calm:
+        return "the leader's echoes stopped: its answer is wanted"
     if epoch != state.epoch:
         return "epoch changed"
     if verdict != state.verdict:
@@ -102,6 +136,7 @@ class BeaconSender:
         self._target: tuple[str, int, int, bytes] | None = None  # host, port, key_id, key
         self._period = interval_s
         self._seq = 0
+        self._echo: tuple[int, float | None] = (0, None)  # the leader's newest echo: (seen, monotonic time)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.sent = 0
@@ -114,16 +149,38 @@ class BeaconSender:
         with self._lock:
             self._target = (host, port, target.key_id, bytes(target.key))
             self._seq = 0
+            self._echo = (0, None)
             self._period = min(self.interval_s, target.interval_s) if target.interval_s > 0 else self.interval_s
         self._wake.set()
 
     def disarm(self) -> None:
         with self._lock:
             self._target = None
+            self._echo = (0, None)
 
     @property
     def aimed(self) -> bool:
         return self._target is not None
+
+    @property
+    def echo(self) -> tuple[int, float | None]:
+        """The newest echo of the leader under the current key: (seen, when; None: none yet)."""
+        return self._echo
+
+    def _take_echoes(self, sock: socket.socket, key_id: int, key: bytes) -> None:
+        """Reads the echoes waiting on the socket (the leader's answers to beacons, a few µs each for it)."""
+        for _ in range(64):  # bounded: one every ECHO_EVERY_S is expected
+            try:
+                data = sock.recv(beacons.ECHO_BYTES + 1)
+            except OSError:  # nothing waiting (or an ICMP error of an earlier send)
+                return
+            seen = beacons.decode_echo(data, key_id, key)
+            if isinstance(seen, str):
+                log.debug("datagram on the beacon socket dropped: %s", seen)
+                continue
+            with self._lock:
+                if self._target is not None and self._target[2] == key_id and self._echo[0] < seen <= self._seq:
+                    self._echo = (seen, time.monotonic())
 
     @property
     def seq(self) -> int:
@@ -156,6 +213,7 @@ class BeaconSender:
                             sock.setblocking(False)
                             resolved = ((host, port), addr)
                         assert sock is not None
+                        self._take_echoes(sock, key_id, key)
                         sock.sendto(beacons.encode(self.node_id, key_id, seq, key), resolved[1])
                         self.sent += 1
                         self.on_sent()

@@ -26,7 +26,17 @@ from ftd.client import CoordinatorClient
 from ftd.rpc import parse_hostport, rpc_code, rpc_details
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from .beacon_sender import BeaconSender, StreamPolicy, StreamState, confirm, progress_events, stream_due
+from .beacon_sender import (
+    BeaconSender,
+    StreamPolicy,
+    StreamState,
+    confirm,
+    confirm_echo,
+    leader_silent,
+    progress_events,
+    quiet,
+    stream_due,
+)
 
 log = logging.getLogger("ftd.agent")
 
@@ -187,13 +197,18 @@ class Session:
             beaconing = self.beacons is not None and self.beacons.aimed
             memory_changed = self.memory_changed()
             events = progress_events(progress)
+            echo_seen, echo_at = self.beacons.echo if self.beacons is not None else (0, None)
             with self._stream_lock:
-                due = stream_due(now, beaconing, state, epoch, verdict, progress, memory_changed, self.policy, events)
+                confirm_echo(state, echo_seen)
+                calm = quiet(state, beaconing, now, echo_at, self.policy)
+                due = stream_due(now, beaconing, state, epoch, verdict, progress, memory_changed, self.policy, events,
+                                 calm)
                 if due is not None:
                     if progress is not state.progress or memory_changed:
                         state.progress_at = now
                     state.sent_at, state.epoch, state.verdict, state.progress = now, epoch, verdict, progress
                     state.events = events
+                    state.sent_quiet = calm
                     state.probed = False
             if due is not None:
                 if beaconing:
@@ -202,6 +217,7 @@ class Session:
                 yield coordinator_pb2.HeartbeatRequest(
                     node_id=self.identity.node_id, incarnation=self.incarnation, known_epoch=epoch,
                     health=health, progress=progress, seq=seq, memory=self.memory(seq == 1), beaconing=beaconing,
+                    quiet=calm,
                 )
                 self.on_heartbeat()
             self._wake.wait(self.interval_s)
@@ -255,6 +271,8 @@ class Session:
         if sender is None:
             return
         if response.HasField("beacon"):
+            with self._stream_lock:
+                self._stream.answer_interval_s = response.beacon.answer_interval_s
             host = response.beacon.host or parse_hostport(self.client.current)[0]  # the leader's own, else dialed
             sender.aim(host, response.beacon)
             log.info("sending liveness beacons to %s UDP %d every %.2fs", host,
@@ -265,18 +283,18 @@ class Session:
             log.info("probed by the leader (its beacons from this node stopped): answering on the stream")
             self._wake.set()
 
-    def answer_limit(self) -> float:
-        """How long without an answer means the leader is gone: ``timeout_s``, or with confirmed beacons
-        (the stream quiet by design) a keepalive's period more."""
-        state = self._stream
-        quiet = self.beacons is not None and self.beacons.aimed and state.confirmed and not state.probed
-        return self.timeout_s + (self.policy.keepalive_s if quiet else 0.0)
+    def leader_silent(self) -> str | None:
+        """Why the leader is given up now, if it is (:func:`~.beacon_sender.leader_silent`)."""
+        sender = self.beacons
+        echo_at = sender.echo[1] if sender is not None else None
+        return leader_silent(time.monotonic(), self._last_answer, echo_at, self._stream,
+                             sender is not None and sender.aimed, self.timeout_s, self.policy)
 
     def _watch(self, call: Any, ended: threading.Event) -> None:
         while not ended.wait(min(0.5, self.interval_s)):
-            silent = time.monotonic() - self._last_answer
-            if silent > self.answer_limit():
-                log.warning("no answer from %s for %.1fs; reconnecting", self.client.current, silent)
+            why = self.leader_silent()
+            if why is not None:
+                log.warning("%s from %s; reconnecting", why, self.client.current)
                 call.cancel()
                 return
 

@@ -15,9 +15,11 @@ Each simulated node follows the leader: when its stream ends it tries the next c
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,8 +95,10 @@ def trainers(plan: Plan) -> dict[str, int]:
     return {node: p for p, node in enumerate(n for n in ids if n not in plan.spares and n not in plan.victims)}
 
 
+@functools.lru_cache(maxsize=65_536)
 def manifest(step: int, epoch: int, rank: int, world: int, now: float) -> checkpoint_pb2.ShardManifest:
-    """A DCP shard's manifest as a rank's snapshot writes it (its data file and its signature)."""
+    """A DCP shard's manifest as a rank's snapshot writes it (its data file and its signature). Built
+    once per process (the owner's report and its buddy's replica hold the same one; a report copies it)."""
     crc = f"{(step * 7919 + rank * 104729) & 0xFFFFFFFF:08x}"
     return checkpoint_pb2.ShardManifest(
         job=JOB, step=step, epoch=epoch, rank=rank, world_size=world, format="dcp", created_unix_s=now,
@@ -111,8 +115,9 @@ def backoff_s(attempt: int, max_s: float = 1.0) -> float:
 
 class _Node:
     def __init__(self, plan: Plan, node_id: str, tally: _Tally, udp: socket.socket,
-                 positions: dict[str, int]) -> None:
+                 positions: dict[str, int], by_key: dict[int, _Node] | None = None) -> None:
         self.plan, self.node_id, self.tally, self.udp = plan, node_id, tally, udp
+        self.by_key = by_key if by_key is not None else {}  # the process's nodes by their stream's beacon key id
         self.inc = f"sim-{node_id}"
         self.idx = index_of(node_id)
         self.k = plan.ranks_per_node
@@ -121,8 +126,11 @@ class _Node:
         self.epoch = 0
         self.mirrors: list[str] = []
         self.target: Any = None  # the stream's BeaconTarget
+        self.confirmed = False  # the leader has answered with a beacon it accepted (the stream may go quiet)
         self.probed = asyncio.Event()
         self.beacon_seq = 0
+        self.dead = False
+        self.echo: tuple[int, float] = (0, -1e18)  # the leader's newest echo: (seen, time.time())
         self.report_version = 0
         self.report: tuple[int, coordinator_pb2.MemoryReport] | None = None  # (step, the report built for it)
         self.endpoint = self.idx % len(plan.endpoints)
@@ -216,6 +224,8 @@ class _Node:
         call = self._stub().Heartbeat()
         self.answered = False
         self.target = None
+        self.confirmed = False
+        self.echo = (0, -1e18)
         self.probed.clear()
         reader = asyncio.create_task(self._read(call))
         seq = 0
@@ -228,6 +238,7 @@ class _Node:
             while time.time() < plan.stop_at:
                 now = time.time()
                 if mode and now >= plan.kill_at:
+                    self.dead = True  # its beacons stop with it
                     self.tally.died[self.node_id] = now
                     if mode == "close":
                         call.cancel()
@@ -239,6 +250,9 @@ class _Node:
                 step = self.step(now)
                 req = coordinator_pb2.HeartbeatRequest(node_id=self.node_id, incarnation=self.inc,
                                                        known_epoch=self.epoch, beaconing=beacons)
+                # as a real agent (agent/beacon_sender.py quiet): beacons confirmed, no probe waiting, echoed lately
+                req.quiet = beacons and self.confirmed and not self.probed.is_set() and \
+                    now - self.echo[1] <= plan.keepalive_s
                 if plan.memory or beacons:
                     req.progress.step = step
                 stepped = step != last_step
@@ -247,8 +261,6 @@ class _Node:
                         now - last_stream >= plan.keepalive_s
                     if plan.memory and (first or stepped):
                         req.memory.CopyFrom(self.memory_report(step, now))
-                    if self.target is not None and not self.probed.is_set():
-                        self._beacon()
                 else:
                     send = True
                     if plan.memory and stepped and not first:
@@ -290,10 +302,32 @@ class _Node:
                     self.mirrors = list(a.peers.mirrors)
                 if response.HasField("beacon"):
                     self.target = response.beacon
+                    self.by_key[response.beacon.key_id] = self
                 if response.probe:
                     self.probed.set()
+                    self.confirmed = False
+                elif response.beacon_seq_seen > 0:
+                    self.confirmed = True
         except (grpc.RpcError, asyncio.CancelledError):
             pass
+
+    def on_echo(self, data: bytes) -> None:
+        """A datagram for this node's stream key: the leader's echo (agent/beacon_sender.py)."""
+        from ftd import beacons
+
+        t = self.target
+        seen = beacons.decode_echo(data, t.key_id, t.key) if t is not None else "no key"
+        if isinstance(seen, str) or not self.echo[0] < seen <= self.beacon_seq:
+            return
+        self.echo = (seen, time.time())
+        self.confirmed = self.confirmed or not self.probed.is_set()
+        self.tally.sent_one("echoes")
+
+    def beacon_due(self) -> None:
+        """From the process's beacon thread (:func:`_beacons`): a beacon while the stream has a target, no
+        probe waits and the node lives."""
+        if not self.dead and self.target is not None and not self.probed.is_set():
+            self._beacon()
 
     def _beacon(self) -> None:
         from ftd import beacons  # issue 19's wire format
@@ -340,14 +374,55 @@ async def _simulate(plan: Plan, ids: list[str], out: Any) -> None:
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.setblocking(False)
     positions = trainers(plan)
-    nodes = [_Node(plan, n, tally, udp, positions) for n in ids]
+    by_key: dict[int, _Node] = {}
+    nodes = [_Node(plan, n, tally, udp, positions, by_key) for n in ids]
+    loop = asyncio.get_running_loop()
+    loop.add_reader(udp.fileno(), _echoes, udp, by_key)
+    sender = None
+    if plan.path == "beacons":
+        sender = threading.Thread(target=_beacons, args=(nodes, plan.hz, plan.stop_at), daemon=True)
+        sender.start()
     await asyncio.gather(*(node.run() for node in nodes))
+    if sender is not None:
+        sender.join(5)
+    loop.remove_reader(udp.fileno())
     for node in nodes:
         for channel in node.channels.values():
             await channel.close()
     udp.close()
     tally.sent["nodes_with_mirrors"] = sum(1 for node in nodes if node.mirrors)
     out.put({"died": tally.died, "errors": tally.errors, "kinds": tally.kinds, "sent": tally.sent, "up": tally.up})
+
+
+def _beacons(nodes: list[_Node], hz: float, stop_at: float) -> None:
+    """The process's beacon sender, a thread of its own as a real agent's (agent/beacon_sender.py): a
+    burst of work on the simulated agents' event loop (every node's memory report at a step's start)
+    must not hold beacons back, which a real node's separate machine never would. Each node keeps its
+    own phase."""
+    period = 1.0 / hz
+    due = [time.time() + random.random() * period for _ in nodes]
+    while time.time() < stop_at:
+        now = time.time()
+        for i, node in enumerate(nodes):
+            if due[i] <= now:
+                due[i] = max(due[i] + period, now)  # behind: the next one a period on, not a burst
+                node.beacon_due()
+        time.sleep(max(0.0, min(0.02, stop_at - time.time())))
+
+
+def _echoes(udp: socket.socket, by_key: dict[int, _Node]) -> None:
+    """The leader's echoes on the process's shared beacon socket, each handed to its stream's node."""
+    from ftd import beacons
+
+    for _ in range(512):
+        try:
+            data = udp.recv(beacons.ECHO_BYTES + 1)
+        except OSError:
+            return
+        if len(data) == beacons.ECHO_BYTES:
+            node = by_key.get(beacons.ECHO_HEADER.unpack_from(data)[1])
+            if node is not None:
+                node.on_echo(data)
 
 
 def worker(plan: Plan, ids: list[str], out: Any) -> None:

@@ -79,7 +79,7 @@ def _start_replicas(r: int, etcd: EtcdCluster, work: Path, tag: str, tls_args: l
         ready, log = work / f"coord-{tag}-{rid}.json", work / f"coord-{tag}-{rid}.log"
         proc = _spawn([sys.executable, "-m", "ftd.coordinator.main", "--etcd-endpoints", etcd.endpoints,
                        "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready),
-                       "--log-level", "WARNING", "--replica-id", rid,
+                       "--log-level", os.environ.get("BENCH_LOG_LEVEL", "WARNING"), "--replica-id", rid,
                        "--config", str(config), *tls_args], log)
         replicas.append(_Replica(rid, proc, _wait_file(ready, proc, time.monotonic() + 30, log)))
         if i == 0:  # the first replica leads: wait for it before the standbys start
@@ -302,6 +302,9 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             "target_hz": args.hz, "heartbeat_hz": round(alive / window, 1),
             "heartbeat_ratio": round(alive / window / (n * args.hz), 3),
             "stream_messages_per_s": round(stream_hb / window, 1), "beacons_per_s": round(beacons / window, 1),
+            "stream_answers_per_s": round(delta(m0, m1, "ftd_coordinator_heartbeat_answers_total") / window, 1),
+            "probes_per_s": round(delta(m0, m1, "ftd_coordinator_probes_total") / window, 1),
+            "echoes_per_s": round(delta(m0, m1, "ftd_coordinator_beacon_echoes_total") / window, 1),
             "p50_detection_s": _r(percentile(latencies, 50)), "p99_detection_s": _r(percentile(latencies, 99)),
             "detected": len(latencies), "missed": len(missed), "false_positives": len(false_pos),
             "etcd_writes_per_s": round(revisions / window, 2),

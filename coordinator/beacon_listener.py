@@ -9,6 +9,10 @@ dict lookup, one HMAC.
 
 When a beaconing node falls silent the leader asks instead of guessing (:func:`probe_due`): one
 ``HeartbeatResponse(probe=true)`` on its stream, which a live agent answers at once on the stream.
+
+Every :data:`ECHO_EVERY_S` of a stream's accepted beacons the leader sends one echo back to where the
+beacon came from (:func:`echo_due`, ``ftd.beacons.encode_echo``): the agent's proof that the leader lives,
+so its stream goes quiet both ways and the leader answers a quiet stream's messages only with news.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter
 
@@ -33,6 +38,9 @@ RECEIVE_BUFFER_BYTES = 4 << 20  # beacons that arrive while the event loop runs 
 SMALL_BUFFER_BYTES = 1 << 20  # below this (net.core.rmem_max) a busy loop loses beacons: said at start
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux: past rmem_max, with CAP_NET_ADMIN
 MAX_BATCH = 512  # datagrams read per wake-up of the event loop
+# A stream's beacons are echoed about this often: the agent gives the leader up after ~7 s without an
+# answer or an echo (coordinator_timeout_s + beacon_keepalive_s), so two echoes may be lost before it does.
+ECHO_EVERY_S = 2.0
 DRAIN_LIMIT = 100_000  # datagrams read before a tick judges (a 4 MiB buffer holds a few thousand)
 
 
@@ -44,15 +52,17 @@ class BeaconKey:
     key_id: int
     key: bytes
     seq_seen: int = 0
+    echoed: int = 0  # the seq_seen of the last echo sent (0: none yet)
 
 
 class BeaconBook:
     """The leader's beacon keys by key id, one per open heartbeat stream. Ids start at a random
     point, so a beacon for a previous leader's key id finds no key (or one whose MAC it fails)."""
 
-    def __init__(self, port: int, interval_s: float, host: str = "") -> None:
+    def __init__(self, port: int, interval_s: float, host: str = "", answer_interval_s: float = 0.0) -> None:
         self.port = port
         self.interval_s = interval_s
+        self.answer_interval_s = answer_interval_s  # a quiet stream's answers, at least this often
         self.host = host  # the leader's advertised host ("" : agents use the host they dialed)
         self.keys: dict[int, BeaconKey] = {}
         self._next = secrets.randbelow(beacons.MAX_KEY_ID + 1)
@@ -75,7 +85,8 @@ class BeaconBook:
 
     def target(self, entry: BeaconKey) -> coordinator_pb2.BeaconTarget:
         return coordinator_pb2.BeaconTarget(port=self.port, key=entry.key, key_id=entry.key_id,
-                                            interval_s=self.interval_s, host=self.host)
+                                            interval_s=self.interval_s, host=self.host,
+                                            answer_interval_s=self.answer_interval_s)
 
 
 def admit(beacon: beacons.Beacon, entry: BeaconKey | None) -> str | None:
@@ -90,6 +101,13 @@ def admit(beacon: beacons.Beacon, entry: BeaconKey | None) -> str | None:
     if beacon.seq <= entry.seq_seen:
         return "replay"
     return None
+
+
+def echo_due(seq_seen: int, echoed: int, beacon_interval_s: float) -> bool:
+    """Whether the beacon just accepted (``seq_seen``) gets an echo: the stream's first, then one per
+    :data:`ECHO_EVERY_S` of beacons (``echoed``: the seq of the last echo)."""
+    every = max(1, round(ECHO_EVERY_S / beacon_interval_s)) if beacon_interval_s > 0 else 1
+    return echoed == 0 or seq_seen - echoed >= every
 
 
 def probe_due(now: float, last_seen: float, beaconing: bool, probed_at: float | None,
@@ -111,41 +129,58 @@ class BeaconProtocol:
     wake-up of the event loop (asyncio's datagram transport takes one per wake-up)."""
 
     def __init__(self, on_beacon: Callable[[beacons.Beacon], str | None], accepted: Counter,
-                 dropped: Counter) -> None:
+                 dropped: Counter, echo: Callable[[beacons.Beacon], bytes | None] = lambda beacon: None,
+                 echoes: Counter | None = None) -> None:
         self.on_beacon = on_beacon
+        self.echo = echo  # the echo owed to an accepted beacon, if any (the membership's)
         self.accepted = accepted
+        self.echoes = echoes
         self.dropped = {reason: dropped.labels(reason) for reason in DROP_REASONS}
 
-    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+    def datagram_received(self, data: bytes, addr: Any, sock: socket.socket | None = None) -> None:
         beacon = beacons.decode(data)
         reason = "malformed" if isinstance(beacon, str) else self.on_beacon(beacon)
-        if reason is None:
-            self.accepted.inc()
-        else:
+        if reason is not None:
             self.dropped[reason].inc()
+            return
+        self.accepted.inc()
+        assert not isinstance(beacon, str)
+        echo = self.echo(beacon) if sock is not None and addr else None
+        if echo is not None and sock is not None:
+            try:
+                sock.sendto(echo, addr)
+            except OSError as exc:  # a full send buffer, an unreachable agent: the stream's answers cover it
+                log.debug("beacon echo to %s: %s", addr, exc)
+                return
+            if self.echoes is not None:
+                self.echoes.inc()
 
     def drain(self, sock: socket.socket, limit: int = 0) -> None:
         """Everything waiting, up to ``limit`` datagrams (0: :data:`MAX_BATCH`; the loop runs other work
         and comes back)."""
         for _ in range(limit or MAX_BATCH):
             try:
-                data = sock.recv(beacons.MAX_DATAGRAM + 1)
+                data, addr = sock.recvfrom(beacons.MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # an ICMP error of some earlier send: nothing to do
                 log.debug("beacon socket: %s", exc)
                 return
-            self.datagram_received(data, ())
+            self.datagram_received(data, addr, sock)
 
 
 class BeaconPort:
-    """The bound beacon socket, read on the event loop."""
+    """The bound beacon socket, read on the event loop: before every tick's judgement (:meth:`drain`)
+    and, when its receive buffer cannot hold the beacons of a late tick, on every wake-up as well
+    (``continuous``). A wake-up of the loop per datagram cost more than the beacon it read."""
 
-    def __init__(self, sock: socket.socket, protocol: BeaconProtocol) -> None:
+    def __init__(self, sock: socket.socket, protocol: BeaconProtocol, continuous: bool = True) -> None:
         self.sock = sock
         self.port: int = sock.getsockname()[1]
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(sock.fileno(), protocol.drain, sock)
+        self.continuous = continuous
+        if continuous:
+            self._loop.add_reader(sock.fileno(), protocol.drain, sock)
         self.protocol = protocol
 
     def drain(self) -> None:
@@ -153,7 +188,8 @@ class BeaconPort:
         self.protocol.drain(self.sock, DRAIN_LIMIT)
 
     def close(self) -> None:
-        self._loop.remove_reader(self.sock.fileno())
+        if self.continuous:
+            self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
 
 
@@ -178,5 +214,5 @@ async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[Beacon
     except OSError:
         sock.close()
         raise
-    bound = BeaconPort(sock, protocol)
+    bound = BeaconPort(sock, protocol, continuous=size < RECEIVE_BUFFER_BYTES)
     return bound, bound.port

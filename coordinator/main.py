@@ -117,7 +117,8 @@ async def serve(settings: CoordinatorSettings) -> int:
     beacon_transport = None
     if settings.beacon_listen != "off":
         bhost, bport = rpc.parse_hostport(settings.beacon_listen) if settings.beacon_listen else (host, 0)
-        protocol = BeaconProtocol(controller.membership.on_beacon, metrics.beacons_accepted, metrics.beacons_dropped)
+        protocol = BeaconProtocol(controller.membership.on_beacon, metrics.beacons_accepted, metrics.beacons_dropped,
+                                  controller.membership.echo, metrics.beacon_echoes)
         try:
             beacon_transport, bport = await listen(bhost, bport, protocol)
         except OSError as exc:
@@ -127,7 +128,8 @@ async def serve(settings: CoordinatorSettings) -> int:
         # datagram to a standby. A wildcard listen address advertises nothing: they use the host they dialed.
         ahost = rpc.parse_hostport(address)[0]
         controller.membership.beacons = BeaconBook(bport, settings.beacon_interval_s,
-                                                   "" if ahost in ("0.0.0.0", "::", "") else ahost)
+                                                   "" if ahost in ("0.0.0.0", "::", "") else ahost,
+                                                   settings.quiet_answer_interval_s)
         controller.membership.drain_beacons = beacon_transport.drain
     await server.start()
     metrics_address = start_http(settings.metrics_listen, controller, metrics)

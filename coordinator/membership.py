@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ftd.beacons import Beacon
+from ftd.beacons import Beacon, encode_echo
 from ftd.logs import set_identity
 from ftd.promotion_fitness import eligible_for_promotion
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import buddies, errors, handover_rules, rate_limits, validation
 from .admission import check_heartbeat, decide_registration, validate_register
-from .beacon_listener import BeaconBook, BeaconKey, admit, probe_due
+from .beacon_listener import BeaconBook, BeaconKey, admit, echo_due, probe_due
 from .detector import Liveness, State, Verdict, judge
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
@@ -60,6 +60,7 @@ class Stream:
     beacon: BeaconKey | None = None  # this stream's beacon key (None: this leader takes no beacons)
     beacon_sent: bool = False  # the BeaconTarget rode on an answer
     beaconing: bool = False  # the agent's latest message says it sends beacons (its stream carries changes only)
+    quiet: bool = False  # ... and its beacons are confirmed, no probe pending (answered less often: ack_due)
     probed_at: float | None = None  # monotonic time of the last probe pushed
     probe_pending: bool = False  # the next answer carries probe=true
 
@@ -183,6 +184,7 @@ class Membership:
         runtime.known_epoch = req.known_epoch
         runtime.seq = req.seq
         stream.beaconing = req.beaconing
+        stream.quiet = req.quiet and req.beaconing
         if req.HasField("health"):
             runtime.health = req.health
         if req.HasField("progress"):
@@ -216,6 +218,15 @@ class Membership:
             runtime.last_heartbeat = now
         return None
 
+    def echo(self, beacon: Beacon) -> bytes | None:
+        """The echo an accepted beacon gets, if one is due (:func:`~.beacon_listener.echo_due`)."""
+        book = self.beacons
+        entry = book.keys.get(beacon.key_id) if book is not None else None
+        if book is None or entry is None or not echo_due(entry.seq_seen, entry.echoed, book.interval_s):
+            return None
+        entry.echoed = entry.seq_seen
+        return encode_echo(entry.key_id, entry.seq_seen, entry.key)
+
     def _probe(self, node_id: str, last_seen: float, now: float) -> None:
         """Asks a suspect beaconing node on its stream instead of letting its silence speak
         (:func:`~.beacon_listener.probe_due`): a live agent answers at once."""
@@ -245,11 +256,14 @@ class Membership:
 
     def ack_due(self, stream: Stream) -> bool:
         """Answer a heartbeat only every ``heartbeat_ack_interval_s`` (or on news): each answer costs
-        the leader as much as the heartbeat itself, and epoch changes are pushed anyway."""
+        the leader as much as the heartbeat itself, and epoch changes are pushed anyway. A quiet
+        stream (beacons carry its liveness, its messages are step reports) only every
+        ``quiet_answer_interval_s``, which its agent was told (``BeaconTarget.answer_interval_s``)."""
         view = self.state.view
         if view is None or stream.sent_epoch != view.world.epoch:
             return True
-        return self.clock() - stream.last_write >= self.settings.heartbeat_ack_interval_s
+        return answer_due(self.clock(), stream.last_write, stream.quiet and stream.beacon is not None,
+                          self.settings.heartbeat_ack_interval_s, self.settings.quiet_answer_interval_s)
 
     def heartbeat_response(self, stream: Stream) -> coordinator_pb2.HeartbeatResponse:
         view = self.state.require_leader()
@@ -532,6 +546,13 @@ class Membership:
             view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
         if changed:
             self._peers_stale = True  # the alive set may have changed: the buddies are chosen again
+
+
+def answer_due(now: float, last_write: float, quiet: bool, ack_interval_s: float, quiet_interval_s: float) -> bool:
+    """Whether a stream's message is answered (news aside): at most every ``ack_interval_s``; a quiet
+    stream's (``quiet_interval_s`` > 0) at most every ``quiet_interval_s``."""
+    interval = quiet_interval_s if quiet and quiet_interval_s > 0 else ack_interval_s
+    return now - last_write >= interval
 
 
 def _peers_proto(peers: buddies.PeerSet) -> cluster_pb2.Peers:

@@ -99,25 +99,54 @@ class Manifest(NamedTuple):
 
 def check_manifest(man: checkpoint_pb2.ShardManifest) -> Manifest | str:
     """A reported manifest's cheap checks (identifiers, ranges, sizes, checksums' form), or why not."""
-    try:
-        job = check_job(man.job)
-    except ValueError as exc:
-        return f"manifest.job: {exc}"
+    job = man.job
+    if job not in _GOOD_JOBS:
+        try:
+            check_job(job)
+        except ValueError as exc:
+            return f"manifest.job: {exc}"
+        if len(_GOOD_JOBS) < 1024:  # a handful of jobs per cluster: bounded all the same
+            _GOOD_JOBS.add(job)
     step, rank, world = man.step, man.rank, man.world_size
     if step < 0 or not 1 <= world <= MAX_RANK + 1 or not 0 <= rank < world:
         return f"{job} step {step} rank {rank} of world size {world}: out of range"
     if man.format not in FORMATS:
         return f"{job} step {step} rank {rank}: format {man.format[:40]!r}"
-    if not 1 <= len(man.files) <= MAX_FILES:
-        return f"{job} step {step} rank {rank}: {len(man.files)} files"
+    listed = man.files
+    if not 1 <= len(listed) <= MAX_FILES:
+        return f"{job} step {step} rank {rank}: {len(listed)} files"
     created = man.created_unix_s
     if not math.isfinite(created) or created < 0:
         return f"{job} step {step} rank {rank}: created_unix_s {created}"
-    files = tuple(FileEntry(f.name, f.size, f.crc32c) for f in man.files)
-    if any(f.size < 0 or len(f.crc32c) != 8 for f in files):
-        return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
-    return Manifest(job, step, man.epoch, rank, world, man.format, files, files_checksum(files), created,
-                    sum(f.size for f in files))
+    files = tuple([FileEntry(f.name, f.size, f.crc32c) for f in listed])
+    size = 0
+    for f in files:
+        if f.size < 0 or len(f.crc32c) != 8:
+            return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
+        size += f.size
+    return Manifest(job, step, man.epoch, rank, world, man.format, files, files_checksum(files), created, size)
+
+
+_GOOD_JOBS: set[str] = set()  # job ids that passed check_job (a regex per manifest otherwise)
+
+
+def manifest_bytes(snapshot: bytes) -> bytes | None:
+    """The wire form of a serialized ``MemorySnapshot``'s manifest, sliced out of it: a deterministic
+    serialization writes field 1 (``manifest``, tag 0x0a) first, as the manifest's own deterministic
+    serialization behind its length. None when the snapshot does not start with it."""
+    if len(snapshot) < 2 or snapshot[0] != 0x0A:
+        return None
+    if snapshot[1] < 0x80:  # a manifest under 128 bytes: its length in one byte
+        return snapshot[2:2 + snapshot[1]] if 2 + snapshot[1] <= len(snapshot) else None
+    length, shift, i = 0, 0, 1
+    while i < len(snapshot) and i <= 5:
+        byte = snapshot[i]
+        length |= (byte & 0x7F) << shift
+        i += 1
+        if not byte & 0x80:
+            return snapshot[i:i + length] if i + length <= len(snapshot) else None
+        shift += 7
+    return None
 
 
 class ManifestCache:
@@ -131,8 +160,10 @@ class ManifestCache:
         self.new: dict[bytes, Manifest | str] = {}
         self.old: dict[bytes, Manifest | str] = {}
 
-    def check(self, man: checkpoint_pb2.ShardManifest) -> Manifest | str:
-        raw = man.SerializeToString(deterministic=True)
+    def check(self, man: checkpoint_pb2.ShardManifest, raw: bytes | None = None) -> Manifest | str:
+        """``raw``: the manifest's deterministic wire form if the caller has it (:func:`manifest_bytes`)."""
+        if raw is None:
+            raw = man.SerializeToString(deterministic=True)
         got = self.new.get(raw)
         if got is None:
             got = self.old.get(raw)
@@ -145,12 +176,16 @@ class ManifestCache:
 
 
 def parse(node: str, m: coordinator_pb2.MemorySnapshot, rounds: Mapping[tuple[str, int], tuple[str, ...]],
-          manifests: ManifestCache | None = None) -> Snap | str:
+          manifests: ManifestCache | None = None, raw: bytes | None = None) -> Snap | str:
     """One reported snapshot, or why it is not taken (cheap checks only). ``rounds``: (job, round) ->
     its members by node rank, for the rounds this leader has seen: an own rank is taken only from the
     node holding it in the snapshot's round (:func:`~.shard_rules.holder`); a round it has not seen
-    (older than this leader) is not judged here. ``manifests``: checked manifests, shared by nodes."""
-    man = check_manifest(m.manifest) if manifests is None else manifests.check(m.manifest)
+    (older than this leader) is not judged here. ``manifests``: checked manifests, shared by nodes;
+    ``raw``: the snapshot's deterministic wire form, if the caller has it (the manifest's is sliced from it)."""
+    if manifests is None:
+        man = check_manifest(m.manifest)
+    else:
+        man = manifests.check(m.manifest, manifest_bytes(raw) if raw is not None else None)
     if isinstance(man, str):
         return man
     job, step, rank, world = man.job, man.step, man.rank, man.world_size
@@ -382,7 +417,7 @@ class MemoryLedger:
         parsed: dict[bytes, Snap] = {}
         for m in report.snapshots:  # a snapshot unchanged since the node's last report is not parsed again
             raw = m.SerializeToString(deterministic=True)
-            snap = before.get(raw) or parse(node, m, self.rounds, self.manifests)
+            snap = before.get(raw) or parse(node, m, self.rounds, self.manifests, raw)
             if isinstance(snap, str):
                 self.refused += 1
                 self._log.log(logging.WARNING, f"refused:{node}", "node %s: memory snapshot not counted: %s", node,

@@ -44,6 +44,9 @@ class CoordinatorMetrics:
         self.nodes = Gauge("ftd_coordinator_nodes", "Registered nodes by state", ["state"], registry=r)
         self.heartbeats = Counter("ftd_coordinator_heartbeats_received_total",
                                   "Heartbeats received from agents", registry=r)
+        self.heartbeat_answers = Counter("ftd_coordinator_heartbeat_answers_total",
+                                         "Answers written on heartbeat streams (each costs about a message)",
+                                         registry=r)
         self.heartbeat_streams = Gauge("ftd_coordinator_heartbeat_streams",
                                        "Open heartbeat streams", registry=r)
         self.beacons_accepted = Counter("ftd_coordinator_beacons_accepted_total",
@@ -51,6 +54,9 @@ class CoordinatorMetrics:
         self.beacons_dropped = Counter("ftd_coordinator_beacons_dropped_total",
                                        "Datagrams on the beacon port dropped, by reason (malformed, unknown_key, "
                                        "wrong_node, bad_mac, replay, not_leader)", ["reason"], registry=r)
+        self.beacon_echoes = Counter("ftd_coordinator_beacon_echoes_total",
+                                     "Echoes sent to agents' beacons (UDP): the leader's liveness for a quiet stream",
+                                     registry=r)
         self.probes = Counter("ftd_coordinator_probes_total",
                               "Probes pushed on the stream of a beaconing node whose beacons stopped", registry=r)
         self.detection_latency = Histogram(

@@ -186,6 +186,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     stream.close_error = exc
                     break
                 await context.write(response)
+                self.ctl.metrics.heartbeat_answers.inc()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -56,6 +56,10 @@ class CoordinatorSettings:
                "and step): only to measure the old path (bench/coordinator_scale.py); agents announce on the stream")
     heartbeat_ack_interval_s: float = setting(
         1.0, "answer an agent's heartbeats at most this often (epoch changes are pushed at once)", "s")
+    quiet_answer_interval_s: float = setting(
+        30.0, "answer a quiet stream (its beacons confirmed and echoed: the echoes say the leader lives, news is "
+              "pushed at once) at most this often; its agent gives the stream up after this long more without an "
+              "answer (0: answer a quiet stream like any other)", "s")
     beacon_listen: str = setting(
         "", "UDP HOST:PORT of the leader's liveness beacons (docs/architecture.md#failure-detection-timeline); empty: "
             "the listen host, a free port; off: no beacons (agents heartbeat on their streams)")
@@ -189,6 +193,9 @@ class CoordinatorSettings:
                 f"must be in (0, suspect_after_s/2], got {self.tick_s}")
         require(0 < self.heartbeat_ack_interval_s <= self.dead_after_s, "heartbeat_ack_interval_s",
                 f"must be in (0, dead_after_s], got {self.heartbeat_ack_interval_s}")
+        quiet_s = self.quiet_answer_interval_s
+        require(quiet_s == 0 or self.heartbeat_ack_interval_s <= quiet_s <= 60, "quiet_answer_interval_s",
+                f"must be 0 or in [heartbeat_ack_interval_s, 60], got {quiet_s}")
         if self.beacon_listen and self.beacon_listen != "off":
             try:
                 parse_hostport(self.beacon_listen)

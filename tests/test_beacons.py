@@ -5,6 +5,7 @@ and the membership's handling of beacons and probes on the in-memory controller 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import random
 import socket
@@ -21,12 +22,16 @@ from ftd.agent.beacon_sender import (
     StreamPolicy,
     StreamState,
     confirm,
+    confirm_echo,
+    leader_silent,
     progress_events,
+    quiet,
     stream_due,
 )
 from ftd.agent.heartbeat import Identity, Session
-from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, admit, probe_due
+from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, BeaconProtocol, admit, echo_due, probe_due
 from ftd.coordinator.detector import DetectorSettings, Liveness, State, judge
+from ftd.coordinator.membership import answer_due
 from ftd.coordinator.store import MemoryStore
 from ftd.v1 import cluster_pb2, coordinator_pb2
 from ftd.waiting import wait_for
@@ -184,6 +189,45 @@ def test_membership_beacons_refresh_liveness_and_a_silent_beaconing_node_is_prob
     asyncio.run(scenario())
 
 
+def test_a_quiet_stream_is_answered_every_quiet_interval_and_news_at_once() -> None:
+    assert answer_due(10.0, 9.0, False, 1.0, 6.0) and not answer_due(10.0, 9.5, False, 1.0, 6.0)
+    assert not answer_due(14.0, 9.0, True, 1.0, 6.0) and answer_due(15.0, 9.0, True, 1.0, 6.0)
+    assert answer_due(10.0, 9.0, True, 1.0, 0.0)  # 0: a quiet stream is answered like any other
+
+    async def scenario() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        membership = ctl.membership
+        quiet_s = ctl.settings.quiet_answer_interval_s
+        membership.beacons = BeaconBook(4000, 0.5, answer_interval_s=quiet_s)
+        await cluster(ctl, clock)
+        membership.close_streams(None)
+        stream = membership.open_stream(_hb("a"))
+        assert membership.heartbeat_response(stream).beacon.answer_interval_s == quiet_s  # the agent budgets for it
+        quiet_hb = coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="i1", seq=2, beaconing=True, quiet=True)
+        answered = []
+        for tenth in range(1, int(quiet_s * 25) + 1):  # 2.5 intervals of a quiet stream's messages, one every 0.5 s
+            clock.advance(0.1)
+            if tenth % 5 == 0:
+                membership.on_heartbeat(stream, quiet_hb)
+                if membership.ack_due(stream):
+                    membership.heartbeat_response(stream)
+                    answered.append(round(clock(), 1))
+        gaps = [b - a for a, b in zip(answered, answered[1:])]
+        assert len(answered) == 2 and all(g >= quiet_s for g in gaps), answered
+        membership.on_heartbeat(stream, _hb("a"))  # not quiet (a probe's answer): answered within 1 s again
+        clock.advance(1.0)
+        assert membership.ack_due(stream)
+        membership.heartbeat_response(stream)
+        view = ctl.committer.view
+        assert view is not None
+        membership.on_heartbeat(stream, quiet_hb)
+        view.world = dataclasses.replace(view.world, epoch=view.world.epoch + 1)
+        assert membership.ack_due(stream), "a new epoch is news: answered at once"
+
+    asyncio.run(scenario())
+
+
 # ---- the agent's side ------------------------------------------------------------------------------
 
 POLICY = StreamPolicy(interval_s=0.5, keepalive_s=4.0, progress_interval_s=1.0)
@@ -237,6 +281,32 @@ def test_a_probe_is_answered_at_once_and_the_stream_beats_until_beacons_are_seen
     assert stream_due(1.6, True, state, 3, (True, ""), None, False, POLICY) == "beacons not confirmed by the leader yet"
     confirm(state, coordinator_pb2.HeartbeatResponse(beacon_seq_seen=10), sent_seq=12)  # one sent after the probe
     assert state.confirmed
+
+
+def test_echoes_keep_a_quiet_stream_and_its_silence_gives_the_leader_up() -> None:
+    state = StreamState()
+    assert not quiet(state, True, 10.0, 9.0, POLICY)
+    assert leader_silent(13.1, 10.0, None, state, True, 3.0, POLICY) == "no answer for 3.1s"  # unconfirmed
+    confirm_echo(state, 1)
+    assert state.confirmed, "an echo confirms beacons as an answer does"
+    assert not quiet(state, True, 10.0, 9.0, POLICY), "a leader that names no answer interval answers everything"
+    state.answer_interval_s = 30.0
+    assert quiet(state, True, 10.0, 9.0, POLICY)
+    assert not quiet(state, True, 13.5, 9.0, POLICY), "no echo for a keepalive's period: answers are wanted"
+    assert not quiet(state, False, 10.0, 9.0, POLICY)  # beacons off
+    # the leader lives while echoes come, and the stream's answers may be rare
+    assert leader_silent(20.0, 0.0, 19.0, state, True, 3.0, POLICY) is None
+    assert leader_silent(20.0, 0.0, 12.9, state, True, 3.0, POLICY) == "no answer or echo for 7.1s"
+    assert leader_silent(38.0, 0.0, 37.5, state, True, 3.0, POLICY) == "echoes but no answer on the stream for 38.0s"
+    _sent(state, 13.0)
+    state.sent_quiet = True
+    assert stream_due(14.0, True, state, 3, (True, ""), None, False, POLICY, calm=True) is None
+    assert stream_due(14.0, True, state, 3, (True, ""), None, False, POLICY, calm=False) == \
+        "the leader's echoes stopped: its answer is wanted"
+    confirm(state, coordinator_pb2.HeartbeatResponse(probe=True), sent_seq=5)
+    confirm_echo(state, 9)
+    assert not state.confirmed, "a probe waits for its answer on the stream, not for an echo"
+    assert leader_silent(13.1, 10.0, 13.0, state, True, 3.0, POLICY) == "no answer for 3.1s"
 
 
 def test_the_sender_beacons_under_the_streams_key_until_disarmed() -> None:
@@ -319,7 +389,8 @@ def test_the_session_goes_quiet_once_beacons_are_confirmed_and_answers_a_probe_a
         call = client.calls.get(timeout=5)
         wait_for(lambda: call.sent, 5, "the stream's first message")
         assert not call.sent[0][1].beaconing  # no target yet
-        target = coordinator_pb2.BeaconTarget(port=receiver.getsockname()[1], key=KEY, key_id=3, interval_s=0.5)
+        target = coordinator_pb2.BeaconTarget(port=receiver.getsockname()[1], key=KEY, key_id=3, interval_s=0.5,
+                                              answer_interval_s=6.0)
         call.answers.put(coordinator_pb2.HeartbeatResponse(beacon=target))
         wait_for(lambda: len(call.sent) >= 2 and sender.seq >= 1, 5, "a beat with beacons, unconfirmed")
         assert call.sent[-1][1].beaconing
@@ -335,6 +406,7 @@ def test_the_session_goes_quiet_once_beacons_are_confirmed_and_answers_a_probe_a
         call.answers.put(coordinator_pb2.HeartbeatResponse(probe=True, beacon_seq_seen=seq))
         wait_for(lambda: len(call.sent) > count, 5, "the probe's answer")
         assert call.sent[count][0] - probed < 0.25, "answered at once, not at the next beat"
+        assert not call.sent[count][1].quiet, "a probe's answer asks for the leader's answer"
         wait_for(lambda: len(call.sent) >= count + 3, 5, "beats at full rate until beacons are seen again")
     finally:
         session.stop()
@@ -371,3 +443,101 @@ def test_no_probe_in_a_stalled_judgement_and_queued_beacons_count_before_judging
         assert stream.probe_pending
 
     asyncio.run(scenario())
+
+
+# ---- echoes: the leader's liveness for a quiet stream ------------------------------------------------
+
+
+def test_an_echo_verifies_only_under_its_key_and_never_passes_for_a_beacon() -> None:
+    echo = beacons.encode_echo(7, 42, KEY)
+    assert beacons.decode_echo(echo, 7, KEY) == 42
+    assert beacons.decode_echo(echo, 7, bytes(32)) == "bad MAC"
+    assert beacons.decode_echo(echo, 8, KEY) == "key id 7, not this stream's 8"
+    assert isinstance(beacons.decode(echo), str), "an echo is no beacon"
+    beacon = beacons.encode("node-1", 7, 42, KEY)
+    assert isinstance(beacons.decode_echo(beacon, 7, KEY), str), "a beacon is no echo"
+    forged = bytes([beacons.MAGIC]) + echo[1:]
+    assert beacons.decode_echo(forged, 7, KEY) == f"unknown magic/version byte 0x{beacons.MAGIC:02x}"
+    assert echo_due(1, 0, 0.5) and not echo_due(4, 1, 0.5) and echo_due(5, 1, 0.5)  # every 2 s of beacons
+    assert echo_due(2, 1, 2.0) and echo_due(3, 1, 0.0)
+
+
+def test_the_leader_echoes_a_streams_beacons_to_where_they_came_from() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        membership = ctl.membership
+        membership.beacons = BeaconBook(4000, 0.5)
+        await cluster(ctl, clock)
+        membership.close_streams(None)
+        stream = membership.open_stream(_hb("a"))
+        target = membership.heartbeat_response(stream).beacon
+        metrics = ctl.metrics
+        protocol = BeaconProtocol(membership.on_beacon, metrics.beacons_accepted, metrics.beacons_dropped,
+                                  membership.echo, metrics.beacon_echoes)
+        leader = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        agent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            leader.bind(("127.0.0.1", 0))
+            leader.setblocking(False)
+            agent.bind(("127.0.0.1", 0))
+            agent.settimeout(5)
+            seen = []
+            for seq in range(1, 10):
+                agent.sendto(beacons.encode("a", target.key_id, seq, target.key), leader.getsockname())
+                wait_for(lambda: _readable(leader), 5, "the beacon at the leader's port")
+                protocol.drain(leader)
+                if seq in (1, 5, 9):
+                    seen.append(beacons.decode_echo(agent.recv(64), target.key_id, target.key))
+            agent.sendto(beacons.encode("a", target.key_id, 3, target.key), leader.getsockname())  # a replay
+            wait_for(lambda: _readable(leader), 5, "the replayed beacon")
+            protocol.drain(leader)
+            agent.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                agent.recv(64)  # echoed every 4 beacons (2 s), and a dropped beacon gets none
+            assert seen == [1, 5, 9]
+            assert metrics.beacon_echoes._value.get() == 3
+        finally:
+            leader.close()
+            agent.close()
+
+    asyncio.run(scenario())
+
+
+def _readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_the_sender_takes_the_echoes_of_its_key_and_refuses_replays_and_forgeries() -> None:
+    leader = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    leader.bind(("127.0.0.1", 0))
+    leader.settimeout(5)
+    sender = BeaconSender("node-9", interval_s=0.05)
+    thread = threading.Thread(target=sender.run, daemon=True)
+    thread.start()
+    try:
+        sender.aim("127.0.0.1", coordinator_pb2.BeaconTarget(port=leader.getsockname()[1], key=KEY, key_id=77,
+                                                             interval_s=0.05))
+        _, addr = leader.recvfrom(2048)
+        leader.sendto(beacons.encode_echo(77, 1, bytes(32)), addr)  # forged: another key
+        leader.sendto(beacons.encode_echo(78, 1, KEY), addr)  # another stream's key id
+        leader.sendto(beacons.encode_echo(77, 10**6, KEY), addr)  # a beacon not sent yet
+        leader.sendto(beacons.encode_echo(77, 1, KEY), addr)
+        wait_for(lambda: sender.echo[0] == 1, 5, "the echo of beacon 1")
+        at = sender.echo[1]
+        assert at is not None and at <= time.monotonic()
+        wait_for(lambda: sender.seq >= 3, 5, "more beacons")
+        leader.sendto(beacons.encode_echo(77, 2, KEY), addr)
+        wait_for(lambda: sender.echo[0] == 2, 5, "the echo of beacon 2")
+        leader.sendto(beacons.encode_echo(77, 1, KEY), addr)  # replayed
+        seq = sender.seq
+        wait_for(lambda: sender.seq >= seq + 3, 5, "the replay read")
+        assert sender.echo[0] == 2
+        sender.disarm()
+        assert sender.echo == (0, None)
+    finally:
+        sender.stop()
+        thread.join(5)
+        leader.close()

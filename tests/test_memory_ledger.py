@@ -79,6 +79,23 @@ def test_cheap_checks_refuse_what_no_node_could_hold(bad: coordinator_pb2.Memory
     assert isinstance(got, str) and why in got
 
 
+def test_a_manifests_wire_form_is_sliced_from_its_snapshots_as_it_serializes_itself() -> None:
+    names = ["x" * n for n in (1, 60, 200, 20_000)]  # manifests under and over 128 bytes (a 1- and 2-byte length)
+    for i, name in enumerate(names):
+        m = snap(3, 1, owner="b" if i % 2 else "", restored=2)
+        m.manifest.files[0].name = name
+        raw = m.SerializeToString(deterministic=True)
+        assert ledger.manifest_bytes(raw) == m.manifest.SerializeToString(deterministic=True)
+    no_manifest = coordinator_pb2.MemorySnapshot(owner="b", replica=True).SerializeToString(deterministic=True)
+    assert ledger.manifest_bytes(no_manifest) is None and ledger.manifest_bytes(b"") is None
+    assert ledger.manifest_bytes(b"\x0a\x05abc") is None  # cut short: not sliced past the end
+    cache = ledger.ManifestCache()
+    sliced = snap(4, 0)
+    got = ledger.parse("a", sliced, {}, cache, sliced.SerializeToString(deterministic=True))
+    assert isinstance(got, ledger.Snap) and got == taken("a", sliced)
+    assert list(cache.new) == [sliced.manifest.SerializeToString(deterministic=True)]
+
+
 def test_an_own_rank_is_taken_only_from_the_node_holding_it_in_that_round() -> None:
     rounds = {(JOB, 4): ("a", "b")}  # 2 ranks, one per node: rank 1 is b's in round 4
     refused = ledger.parse("a", snap(9, 1, round_=4), rounds)

@@ -63,6 +63,8 @@ def test_env_and_flag_that_disagree_are_an_error_naming_the_field() -> None:
         (["--leader-ttl-s", "2.5"], "leader_ttl_s"),
         (["--log-level", "LOUD"], "log_level"),
         (["--cluster", "a/b"], "cluster"),
+        (["--quiet-answer-interval-s", "0.5"], "quiet_answer_interval_s"),  # below heartbeat_ack_interval_s
+        (["--quiet-answer-interval-s", "61"], "quiet_answer_interval_s"),
     ],
 )
 def test_bad_values_name_the_field(argv: list[str], field: str) -> None:

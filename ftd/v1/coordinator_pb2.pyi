@@ -776,6 +776,7 @@ class HeartbeatRequest(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     BEACONING_FIELD_NUMBER: _builtins.int
+    QUIET_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.str
     known_epoch: _builtins.int
@@ -785,6 +786,10 @@ class HeartbeatRequest(_message.Message):
     beaconing: _builtins.bool
     """The agent sends liveness beacons (UDP datagrams, ftd/beacons.py) to the BeaconTarget it was given;
     its stream messages then carry changes and answer probes only (docs/architecture.md#heartbeats).
+    """
+    quiet: _builtins.bool
+    """Beacons confirmed and no probe pending: this stream's messages are news the leader need not answer
+    each time; it answers at least every BeaconTarget.answer_interval_s (its liveness for the agent).
     """
     @_builtins.property
     def health(self) -> _cluster_pb2.Health: ...
@@ -810,10 +815,11 @@ class HeartbeatRequest(_message.Message):
         seq: _builtins.int = ...,
         memory: Global___MemoryReport | None = ...,
         beaconing: _builtins.bool = ...,
+        quiet: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["health", b"health", "memory", b"memory", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["beaconing", b"beaconing", "health", b"health", "incarnation", b"incarnation", "known_epoch", b"known_epoch", "memory", b"memory", "node_id", b"node_id", "progress", b"progress", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beaconing", b"beaconing", "health", b"health", "incarnation", b"incarnation", "known_epoch", b"known_epoch", "memory", b"memory", "node_id", b"node_id", "progress", b"progress", "quiet", b"quiet", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -905,6 +911,7 @@ class BeaconTarget(_message.Message):
     KEY_ID_FIELD_NUMBER: _builtins.int
     INTERVAL_S_FIELD_NUMBER: _builtins.int
     HOST_FIELD_NUMBER: _builtins.int
+    ANSWER_INTERVAL_S_FIELD_NUMBER: _builtins.int
     port: _builtins.int
     """UDP, on ``host`` (or the host the agent reaches the leader at)"""
     key: _builtins.bytes
@@ -917,6 +924,10 @@ class BeaconTarget(_message.Message):
     """The leader's own host (its advertised address): beacons go there even when the agent reached the
     leader through a load balancer that could hand a datagram to a standby; empty: the host dialed.
     """
+    answer_interval_s: _builtins.float
+    """A quiet stream (HeartbeatRequest.quiet) is answered at least this often, news at once: each
+    answer costs the leader as much as a message (0: every message is answered as before).
+    """
     def __init__(
         self,
         *,
@@ -925,10 +936,11 @@ class BeaconTarget(_message.Message):
         key_id: _builtins.int = ...,
         interval_s: _builtins.float = ...,
         host: _builtins.str = ...,
+        answer_interval_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "interval_s", b"interval_s", "key", b"key", "key_id", b"key_id", "port", b"port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer_interval_s", b"answer_interval_s", "host", b"host", "interval_s", b"interval_s", "key", b"key", "key_id", b"key_id", "port", b"port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
