@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import queue
 import random
 import socket
@@ -213,7 +214,7 @@ def test_a_quiet_stream_is_answered_every_quiet_interval_and_news_at_once() -> N
                 if membership.ack_due(stream):
                     membership.heartbeat_response(stream)
                     answered.append(round(clock(), 1))
-        gaps = [b - a for a, b in zip(answered, answered[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(answered)]
         assert len(answered) == 2 and all(g >= quiet_s for g in gaps), answered
         membership.on_heartbeat(stream, _hb("a"))  # not quiet (a probe's answer): answered within 1 s again
         clock.advance(1.0)
