@@ -170,17 +170,13 @@ class BeaconProtocol:
 
 
 class BeaconPort:
-    """The bound beacon socket, read on the event loop: before every tick's judgement (:meth:`drain`)
-    and, when its receive buffer cannot hold the beacons of a late tick, on every wake-up as well
-    (``continuous``). A wake-up of the loop per datagram cost more than the beacon it read."""
+    """The bound beacon socket, read on the event loop."""
 
-    def __init__(self, sock: socket.socket, protocol: BeaconProtocol, continuous: bool = True) -> None:
+    def __init__(self, sock: socket.socket, protocol: BeaconProtocol) -> None:
         self.sock = sock
         self.port: int = sock.getsockname()[1]
         self._loop = asyncio.get_running_loop()
-        self.continuous = continuous
-        if continuous:
-            self._loop.add_reader(sock.fileno(), protocol.drain, sock)
+        self._loop.add_reader(sock.fileno(), protocol.drain, sock)
         self.protocol = protocol
 
     def drain(self) -> None:
@@ -188,8 +184,7 @@ class BeaconPort:
         self.protocol.drain(self.sock, DRAIN_LIMIT)
 
     def close(self) -> None:
-        if self.continuous:
-            self._loop.remove_reader(self.sock.fileno())
+        self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
 
 
@@ -214,5 +209,5 @@ async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[Beacon
     except OSError:
         sock.close()
         raise
-    bound = BeaconPort(sock, protocol, continuous=size < RECEIVE_BUFFER_BYTES)
+    bound = BeaconPort(sock, protocol)
     return bound, bound.port
