@@ -48,11 +48,16 @@ class StreamState:
     sent_quiet: bool = False  # the last message said the stream is quiet (:func:`quiet`)
 
 
+def confirmed(state: StreamState, beaconing: bool) -> bool:
+    """Beacons carry this node's liveness and the leader has confirmed them; no probe waits for an answer."""
+    return beaconing and state.confirmed and not state.probed
+
+
 def quiet(state: StreamState, beaconing: bool, now: float, echo_at: float | None, policy: StreamPolicy) -> bool:
     """The stream is quiet: beacons carry this node's liveness, the leader confirmed them (no probe waits)
     and its echoes say it lives (one came within a keepalive's period). Its messages are news the leader
     answers only every ``state.answer_interval_s`` (0: a leader that answers everything)."""
-    return (beaconing and state.confirmed and not state.probed and state.answer_interval_s > 0
+    return (confirmed(state, beaconing) and state.answer_interval_s > 0
             and echo_at is not None and now - echo_at <= policy.keepalive_s)
 
 
@@ -67,7 +72,7 @@ def leader_silent(now: float, last_answer: float, echo_at: float | None, state: 
     """Why this agent gives its leader up (None: it lives). No answer and no echo for ``timeout_s``, or
     with confirmed beacons (the stream quiet by design) a keepalive's period more; and on a quiet stream no
     answer at all for the leader's answer interval more than that (echoes arrive, the stream does not)."""
-    calm = beaconing and state.confirmed and not state.probed
+    calm = confirmed(state, beaconing)
     limit = timeout_s + (policy.keepalive_s if calm else 0.0)
     heard = max(last_answer, echo_at) if echo_at is not None and calm else last_answer
     if now - heard > limit:

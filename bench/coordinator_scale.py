@@ -6,6 +6,9 @@ etcd and real coordinator processes.
     python bench/coordinator_scale.py --agents 2000 --ranks-per-node 8 --memory-every-step --step-s 4 --tls
     python bench/coordinator_scale.py --agents 2000 --replicas 3 --kill-leader --memory-every-step --tls
 
+The coordinators log at WARNING (their logs stay in the work folder); ``BENCH_LOG_LEVEL=INFO`` shows probes
+and suspects too.
+
 Simulated agents (bench/_scale_agents.py) run as asyncio tasks in ``--procs`` worker processes: each
 registers (1 % as spares), opens a heartbeat stream and keeps it alive at ``--hz``. During the measured
 window ``--kills`` agents "die": half close their stream (what a SIGKILL looks like to the coordinator),

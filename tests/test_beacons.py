@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import queue
 import random
+import select
 import socket
 import threading
 import time
@@ -31,8 +32,9 @@ from ftd.agent.beacon_sender import (
 )
 from ftd.agent.heartbeat import Identity, Session
 from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, BeaconProtocol, admit, echo_due, probe_due
+from ftd.coordinator.control import Controller
 from ftd.coordinator.detector import DetectorSettings, Liveness, State, judge
-from ftd.coordinator.membership import answer_due
+from ftd.coordinator.membership import Stream, answer_due
 from ftd.coordinator.store import MemoryStore
 from ftd.v1 import cluster_pb2, coordinator_pb2
 from ftd.waiting import wait_for
@@ -143,15 +145,22 @@ def _hb(node: str, beaconing: bool = True) -> coordinator_pb2.HeartbeatRequest:
     return coordinator_pb2.HeartbeatRequest(node_id=node, incarnation="i1", seq=1, beaconing=beaconing)
 
 
+async def _beaconing_leader() -> tuple[Clock, Controller, Stream]:
+    """A leader taking beacons, wired as coordinator/main.py does, over the harness's cluster (a, b active,
+    s spare; their streams opened without beacons, then closed) and a's stream opened anew: its first
+    answer carries the BeaconTarget."""
+    clock = Clock()
+    ctl = make(MemoryStore(), clock)
+    ctl.membership.beacons = BeaconBook(4000, 0.5, answer_interval_s=ctl.settings.quiet_answer_interval_s)
+    await cluster(ctl, clock)
+    ctl.membership.close_streams(None)
+    return clock, ctl, ctl.membership.open_stream(_hb("a"))
+
+
 def test_membership_beacons_refresh_liveness_and_a_silent_beaconing_node_is_probed() -> None:
     async def scenario() -> None:
-        clock = Clock()
-        ctl = make(MemoryStore(), clock)
+        clock, ctl, stream = await _beaconing_leader()
         membership = ctl.membership
-        membership.beacons = BeaconBook(4000, 0.5)
-        await cluster(ctl, clock)  # a, b active, s spare: streams opened without beacons
-        membership.close_streams(None)
-        stream = membership.open_stream(_hb("a"))
         first = membership.heartbeat_response(stream)
         assert first.HasField("beacon") and first.beacon.port == 4000
         assert not membership.heartbeat_response(stream).HasField("beacon")  # given once per stream
@@ -196,14 +205,9 @@ def test_a_quiet_stream_is_answered_every_quiet_interval_and_news_at_once() -> N
     assert answer_due(10.0, 9.0, True, 1.0, 0.0)  # 0: a quiet stream is answered like any other
 
     async def scenario() -> None:
-        clock = Clock()
-        ctl = make(MemoryStore(), clock)
+        clock, ctl, stream = await _beaconing_leader()
         membership = ctl.membership
         quiet_s = ctl.settings.quiet_answer_interval_s
-        membership.beacons = BeaconBook(4000, 0.5, answer_interval_s=quiet_s)
-        await cluster(ctl, clock)
-        membership.close_streams(None)
-        stream = membership.open_stream(_hb("a"))
         assert membership.heartbeat_response(stream).beacon.answer_interval_s == quiet_s  # the agent budgets for it
         quiet_hb = coordinator_pb2.HeartbeatRequest(node_id="a", incarnation="i1", seq=2, beaconing=True, quiet=True)
         answered = []
@@ -418,13 +422,8 @@ def test_the_session_goes_quiet_once_beacons_are_confirmed_and_answers_a_probe_a
 
 def test_no_probe_in_a_stalled_judgement_and_queued_beacons_count_before_judging() -> None:
     async def scenario() -> None:
-        clock = Clock()
-        ctl = make(MemoryStore(), clock)
+        clock, ctl, stream = await _beaconing_leader()
         membership = ctl.membership
-        membership.beacons = BeaconBook(4000, 0.5)
-        await cluster(ctl, clock)
-        membership.close_streams(None)
-        stream = membership.open_stream(_hb("a"))
         target = membership.heartbeat_response(stream).beacon
         view = ctl.committer.view
         assert view is not None
@@ -465,13 +464,8 @@ def test_an_echo_verifies_only_under_its_key_and_never_passes_for_a_beacon() -> 
 
 def test_the_leader_echoes_a_streams_beacons_to_where_they_came_from() -> None:
     async def scenario() -> None:
-        clock = Clock()
-        ctl = make(MemoryStore(), clock)
+        _, ctl, stream = await _beaconing_leader()
         membership = ctl.membership
-        membership.beacons = BeaconBook(4000, 0.5)
-        await cluster(ctl, clock)
-        membership.close_streams(None)
-        stream = membership.open_stream(_hb("a"))
         target = membership.heartbeat_response(stream).beacon
         metrics = ctl.metrics
         protocol = BeaconProtocol(membership.on_beacon, metrics.beacons_accepted, metrics.beacons_dropped,
@@ -506,8 +500,6 @@ def test_the_leader_echoes_a_streams_beacons_to_where_they_came_from() -> None:
 
 
 def _readable(sock: socket.socket) -> bool:
-    import select
-
     return bool(select.select([sock], [], [], 0)[0])
 
 
