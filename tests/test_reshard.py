@@ -116,6 +116,7 @@ def _save(rank: int, port: int, root: str, world: int = OLD) -> None:
     try:
         snap = Snapshotter().snapshot(_state(init_device_mesh("cpu", (world,)), full_state()))
         save_dcp(snap, Path(root) / shard_prefix(JOB, STEP, rank), rank)
+        dist.barrier()  # as in _restore: no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 
