@@ -21,7 +21,10 @@ and keeps its buddy's replicas, and the run is made twice in the same invocation
 the buddy's RecordCopy(mem) RPC, each an etcd transaction: the coordinator's
 ``memory_snapshots_in_etcd``) and ``beacons`` (issue 19: UDP liveness beacons at ``--hz``, one stream
 message per node and step with its whole memory report, kept by the leader in memory). ``leader CPU per
-agent-second`` and the rest are compared side by side (``ratio_*``).
+agent-second`` and the rest are compared side by side (``ratio_*``). Today's path saturates the leader's
+core at this workload (``saturated``): its CPU per agent-second at N is then the core divided by N, a floor
+of its cost, so ``--baseline-agents`` (default 50) also runs it where it may keep up, and each ratio says
+whether it is exact (``eq``) or an upper bound (``le``, against a saturated floor).
 
 ``--replicas R`` runs R coordinator replicas (one leader, R-1 hot standbys); each one's CPU is printed.
 ``--kill-leader`` then SIGKILLs the leader after the window and measures until a standby answers a
@@ -336,6 +339,32 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         etcd.stop()
 
 
+SATURATED_CPU_PCT = 85.0  # of one core: the leader's event loop is one thread
+
+
+def saturated(r: dict[str, Any]) -> bool:
+    """Whether a run's leader was at its capacity: its CPU near a core, or heartbeats or memory RPCs
+    not served (a RecordCopy of a step already gone, NOT_FOUND, is an answer). Its CPU per agent-second
+    is then the core divided by N: a floor of what the path costs, not its cost."""
+    errors = [k for k in str(r.get("sim_error_kinds", "-")).split(",") if k not in ("-", "")]
+    return (r["leader_cpu_pct"] >= SATURATED_CPU_PCT or r["heartbeat_ratio"] < 0.95
+            or any(":NOT_FOUND=" not in k for k in errors))
+
+
+def compare_to_baselines(old: dict[str, Any], new: dict[str, Any], baselines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The new path's CPU per agent-second against today's path at each size. Today's figure at a
+    saturated size is a floor of its cost, so the ratio against it is an upper bound ("le"); against an
+    unsaturated size it is the ratio ("eq")."""
+    out: dict[str, Any] = {"rpc_saturated": old["saturated"], "beacons_saturated": new["saturated"]}
+    b = new["leader_cpu_us_per_agent_s"]
+    for r in [*baselines, old]:
+        a = r["leader_cpu_us_per_agent_s"]
+        out[f"ratio_leader_cpu_us_per_agent_s_vs_rpc_at_{r['agents']}"] = {
+            "rpc_us_per_agent_s": a, "ratio": round(b / a, 3) if a else None,
+            "bound": "le" if r["saturated"] else "eq"}
+    return out
+
+
 def _events(address: str, tls: IdentityFiles | None) -> list[Any]:
     with rpc.channel(address, tls=tls) as ch:
         return list(coordinator_pb2_grpc.CoordinatorStub(ch).ListEvents(
@@ -370,6 +399,9 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=4.0, help="the simulated job's step time [s]")
     ap.add_argument("--paths", default="",
                     help="rpc, beacons or rpc,beacons (default: both with --memory-every-step, else beacons)")
+    ap.add_argument("--baseline-agents", default="",
+                    help="with both paths: today's (rpc) path also at these N (comma-separated; default 50 with "
+                         "--memory-every-step, 'none' for none), where it may keep up when it saturates at --agents")
     ap.add_argument("--replicas", type=int, default=1, help="coordinator replicas (one leads)")
     ap.add_argument("--kill-leader", action="store_true", help="SIGKILL the leader after the window (--replicas >= 2)")
     ap.add_argument("--cold-standbys", action="store_true",
@@ -384,11 +416,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-scale-"))
     results = []
     modes = [False, True] if args.compare_tls else [args.tls]
+    base_arg = args.baseline_agents or ("50" if args.memory_every_step else "none")
+    baseline_n = [] if base_arg == "none" or paths_run != ["rpc", "beacons"] else [int(x) for x in base_arg.split(",")]
+    baselines: dict[bool, list[dict[str, Any]]] = {tls: [] for tls in modes}
+    for m in baseline_n:  # today's path where one core may carry it (its per-agent cost, not a cap)
+        for tls in modes:
+            r = {**run_one(m, args, work, "rpc", tls=tls, per_agent=args.compare_tls), "baseline": True}
+            r["saturated"] = saturated(r)
+            baselines[tls].append(r)
+            results.append(r)
+            if not args.json:
+                emit(r, False)
+                print(flush=True)
     for n in (int(x) for x in args.agents.split(",")):
         for tls in modes:
             by_path = {}
             for path in paths_run:
                 r = run_one(n, args, work, path, tls=tls, per_agent=args.compare_tls)
+                r["saturated"] = saturated(r)
                 by_path[path] = r
                 results.append(r)
                 if not args.json:
@@ -401,6 +446,7 @@ def main() -> None:
                             "etcd_writes_per_s", "p99_detection_s"):
                     a, b = old.get(key), new.get(key)
                     cmp[f"ratio_{key}"] = round(b / a, 3) if a and b is not None else None
+                cmp.update(compare_to_baselines(old, new, baselines[tls]))
                 results.append(cmp)
                 if not args.json:
                     emit(cmp, False)

@@ -11,6 +11,15 @@ Between ``suspect_after_s`` and death a node is *suspect*: shown, never acted on
 deadline, so a failover cannot kill a live node. If the judge itself was not run for longer than
 ``stall_after_s`` (the coordinator was starved of CPU) every silence is suspect evidence, so the
 caller must grant grace rather than act; :func:`judge` says so in :attr:`Judgement.stalled`.
+
+A *mass silence* (:func:`mass_hold`) is the other way the leader's own state shows: more than a
+fraction of the nodes falling silent together is far likelier the leader being overloaded (a
+failover's reconnect storm, a registration storm) or cut off than that many nodes dying in one
+``dead_after_s``. Declaring them dead would re-form the world around a fraction of it, and each
+epoch's push to every stream loads the leader further (a cascade: 1,835 of 2,000 simulated nodes
+fenced after a failover, none dead). Their deaths are held for ``hold_s`` (Kubernetes' node
+lifecycle controller stops evicting in a fully disrupted zone for the same reason); then the
+ones still silent are declared. Fewer than ``min_nodes`` is never a mass.
 """
 
 from __future__ import annotations
@@ -132,3 +141,49 @@ def judge(
         else:
             verdicts[node_id] = judge_one(now, live, settings)
     return Judgement(verdicts)
+
+
+@dataclass(frozen=True)
+class MassSilence:
+    """When dying nodes are a mass (see the module's note): more than ``max(min_nodes, fraction x
+    the nodes judged)`` dead at once or within ``dead_after_s``; ``hold_s`` 0 turns the hold off."""
+
+    fraction: float = 0.1
+    min_nodes: int = 8
+    hold_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError("mass silence fraction must be in (0, 1]")
+        if self.min_nodes < 1 or self.hold_s < 0:
+            raise ValueError("mass silence min_nodes must be >= 1 and hold_s >= 0")
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A mass silence's hold: deaths are not declared from ``since`` until ``until``."""
+
+    since: float
+    until: float
+    reason: str
+
+
+def mass_hold(now: float, dying: int, recent: int, nodes: int, last: Hold | None, settings: MassSilence) -> Hold | None:
+    """The hold in force now, if any. ``dying``: nodes this judgement finds dead and not yet declared;
+    ``recent``: nodes declared dead within the last ``dead_after_s``; ``nodes``: those judged. A hold
+    lasts ``hold_s``; another may start only ``hold_s`` after it ended, so a real mass failure is
+    declared at most ``hold_s`` late, and a leader overloaded for longer cannot hold forever."""
+    if settings.hold_s <= 0:
+        return None
+    if last is not None and now < last.until:
+        return last
+    if last is not None and now < last.until + settings.hold_s:
+        return None
+    limit = max(settings.min_nodes, settings.fraction * nodes)
+    if dying == 0 or dying + recent <= limit:
+        return None
+    reason = (f"{dying} node(s) silent at once ({recent} more declared dead in the last seconds; a mass is "
+              f"> {limit:g} of {nodes}): more likely this leader overloaded or cut off than that many deaths; "
+              f"deaths held for {settings.hold_s:g}s")
+    return Hold(now, now + settings.hold_s, reason)
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -27,7 +28,7 @@ from ftd.v1 import cluster_pb2, coordinator_pb2
 from . import buddies, errors, handover_rules, rate_limits, validation
 from .admission import check_heartbeat, decide_registration, validate_register
 from .beacon_listener import BeaconBook, BeaconKey, admit, echo_due, probe_due
-from .detector import Liveness, State, Verdict, judge
+from .detector import Hold, Liveness, State, Verdict, judge, mass_hold
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
@@ -91,6 +92,8 @@ class Membership:
         self.changed = False  # membership changed since the gauges were last published
         self._lock = asyncio.Lock()
         self._last_judged: float | None = None
+        self._hold: Hold | None = None  # the last mass silence's hold (detector.mass_hold)
+        self._declared: deque[float] = deque()  # when this leader declared deaths, lately (one entry each)
         self._peers_stale = True  # the world or the alive set may have changed since the buddies were chosen
         self._ring: list[buddies.Peer] = []  # the alive nodes the buddies were chosen among, by node id
         self._ring_ids: list[str] = []
@@ -116,6 +119,8 @@ class Membership:
         """A new leadership term: the first judgement has no previous one to measure a stall from, and
         the buddies are chosen afresh from the reloaded view."""
         self._last_judged = None
+        self._hold = None
+        self._declared.clear()
         self._peers_stale = True
 
     # ---- registration ------------------------------------------------------------------------
@@ -415,6 +420,7 @@ class Membership:
         for node_id in (n for n in step.dead if n not in planned):
             self.metrics.detection_latency.observe(view.verdicts[node_id].silent_s)
             self.metrics.nodes_declared_dead.inc()
+            self._declared.append(now)
             log.warning("node %s fenced: %s", node_id, view.verdicts[node_id].reason)
             if in_job:
                 verdict = view.verdicts[node_id]
@@ -525,7 +531,10 @@ class Membership:
             if node is None or node.fenced:
                 del view.forced_dead[node_id]
         forced = view.forced_dead
-        for node_id, verdict in judgement.verdicts.items():
+        verdicts = dict(judgement.verdicts)
+        if not judgement.stalled:
+            self._hold_mass(view, now, verdicts)
+        for node_id, verdict in verdicts.items():
             before = before_all.get(node_id)
             if before is verdict or node_id in forced:
                 continue
@@ -539,13 +548,32 @@ class Membership:
                     node = view.nodes.get(node_id)
                     if node is not None and not node.fenced:
                         log.info("node %s is %s: %s", node_id, verdict.state.value, verdict.reason)
-        view.verdicts = dict(judgement.verdicts)
+        view.verdicts = verdicts
         for node_id, why in forced.items():
             previous = before_all.get(node_id)
             changed = changed or previous is None or previous.state is not State.DEAD
             view.verdicts[node_id] = Verdict(State.DEAD, why, 0.0)
         if changed:
             self._peers_stale = True  # the alive set may have changed: the buddies are chosen again
+
+
+    def _hold_mass(self, view: ClusterView, now: float, verdicts: dict[str, Verdict]) -> None:
+        """A mass silence's deaths become suspicions while its hold lasts (detector.mass_hold)."""
+        dying = [n for n, v in verdicts.items() if v.state is State.DEAD and n not in view.forced_dead
+                 and (node := view.nodes.get(n)) is not None and not node.fenced]
+        while self._declared and now - self._declared[0] > self.settings.dead_after_s:
+            self._declared.popleft()
+        hold = mass_hold(now, len(dying), len(self._declared), len(verdicts), self._hold, self.settings.mass_silence)
+        if hold is None:
+            return
+        if hold is not self._hold:
+            self._hold = hold
+            self.metrics.mass_silence_holds.inc()
+            log.warning("mass silence: %s", hold.reason)
+        for n in dying:
+            v = verdicts[n]
+            verdicts[n] = Verdict(State.SUSPECT, f"{v.reason}; held {hold.until - now:.1f}s more: mass silence",
+                                  v.silent_s)
 
 
 def answer_due(now: float, last_write: float, quiet: bool, ack_interval_s: float, quiet_interval_s: float) -> bool:

@@ -125,5 +125,9 @@ class CoordinatorMetrics:
                                  "rolled_back, or closed (the rollback budget was spent)", ["outcome"], registry=r)
         self.job_goodput = JobGoodput()
         r.register(self.job_goodput)
+        self.mass_silence_holds = Counter(
+            "ftd_coordinator_mass_silence_holds_total",
+            "Mass silences: more nodes falling silent together than mass_silence_fraction, whose deaths the "
+            "leader held for mass_silence_hold_s (its own overload or isolation is the likelier cause)", registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)

@@ -11,7 +11,7 @@ from ftd.identity import IdentityFiles, PkiError
 from ftd.rpc import parse_hostport
 from ftd.settings import require, setting
 
-from .detector import DetectorSettings
+from .detector import DetectorSettings, MassSilence
 from .handover_rules import HandoverPolicy
 from .rollback_rules import RollbackConfig
 from .stragglers import StragglerConfig
@@ -44,6 +44,12 @@ class CoordinatorSettings:
         1.5, "a node whose heartbeat stream closed and did not reopen within this is declared dead", "s")
     stall_after_s: float = setting(
         1.0, "if the detector itself was not run for this long, nobody is judged until grace passes", "s")
+    mass_silence_fraction: float = setting(
+        0.1, "more than this fraction of the nodes dying within dead_after_s is a mass silence: more likely the "
+             "leader overloaded or cut off, so their deaths are held for mass_silence_hold_s", "ratio")
+    mass_silence_min_nodes: int = setting(8, "fewer nodes dying together than this is never a mass silence", "nodes")
+    mass_silence_hold_s: float = setting(
+        10.0, "how long a mass silence's deaths are held (those still silent are declared then; 0: no hold)", "s")
     failover_grace_s: float = setting(
         8.0, "after becoming leader, a node that has not heartbeated to it yet is not judged before this", "s")
     tick_s: float = setting(0.1, "period of the detection / reconciliation loop", "s")
@@ -226,6 +232,10 @@ class CoordinatorSettings:
         except ValueError as exc:
             require(False, "straggler_*", str(exc))
         try:
+            self.mass_silence  # noqa: B018 (validated by constructing it)
+        except ValueError as exc:
+            require(False, "mass_silence_*", str(exc))
+        try:
             self.rollback  # noqa: B018 (validated by constructing it)
         except ValueError as exc:
             require(False, "anomaly_*", str(exc))
@@ -243,6 +253,10 @@ class CoordinatorSettings:
     def detector(self) -> DetectorSettings:
         return DetectorSettings(self.suspect_after_s, self.dead_after_s, self.disconnect_dead_after_s,
                                 self.stall_after_s)
+
+    @property
+    def mass_silence(self) -> MassSilence:
+        return MassSilence(self.mass_silence_fraction, self.mass_silence_min_nodes, self.mass_silence_hold_s)
 
     @property
     def straggler(self) -> StragglerConfig:
