@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ftd.checkpoints import catalog as rules
@@ -30,6 +30,7 @@ from ftd.throttle import LogThrottle
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import shard_rules
+from .memory_merge import abandoned_floor, collector_paused, merge
 from .rendezvous import JobState
 from .view import ClusterView
 
@@ -235,110 +236,6 @@ def readiness(now: float, since: float, deadline_s: float, world: Iterable[str],
         return Readiness()
     left = since + deadline_s - now
     return Readiness(waiting=missing, left_s=left) if left > 0 else Readiness(late=missing)
-
-
-def _older(epoch: int, round_: int, than: tuple[int, int]) -> bool:
-    """As :func:`~ftd.checkpoints.catalog.superseded_by`: an older epoch, or the same epoch's older round."""
-    return epoch < than[0] or (than[1] >= 0 and epoch == than[0] and 0 <= round_ < than[1])
-
-
-def abandoned_floor(snaps: Sequence[Snap], durable: Sequence[rules.CheckpointRecord]) -> tuple[tuple[int, int], int]:
-    """The newest timeline (epoch, round) among the job's own snapshots and durable records, and the
-    first step it abandons in older timelines: the step after the one it restored, else the oldest
-    step it saved (what :func:`~ftd.checkpoints.catalog.superseded_by` did at each commit)."""
-    newest = max({(s.epoch, s.round) for s in snaps if not s.replica} | {(r.epoch, r.round) for r in durable},
-                 default=(-1, -1))
-    mine = [s for s in snaps if not s.replica and (s.epoch, s.round) == newest]
-    restored = [s.restored for s in mine if s.restored is not None]
-    if restored:
-        return newest, min(restored) + 1
-    steps = [s.step for s in mine] + [r.step for r in durable if (r.epoch, r.round) == newest]
-    return newest, min(steps, default=0)
-
-
-def merge(durable: Sequence[rules.CheckpointRecord], snaps: Sequence[Snap], rollback: rules.Rollback | None = None,
-          held: Callable[[int, int | None], int | None] = lambda epoch, round_: None,
-          invalid: Mapping[int, str] | None = None,
-          bad: Mapping[tuple[int, int], Mapping[str, str]] | None = None,
-          dead: Collection[str] = ()) -> list[rules.CheckpointRecord]:
-    """The job's records: the durable ones (etcd) with the memory copies of ``snaps`` (one job's) added, and
-    records built for steps only in memory. A snapshot reported by a node now ``dead`` (or fenced) still says
-    what its rank's shard was (as a committed shard did in etcd: a replicated restore reads the step from the
-    other ranks) but adds no copy: its memory died with it. The commit-time rules, at merge time: an older
-    timeline's steps the newest abandons are left out (durable ones too: a newer epoch that only saved to memory
-    so far abandons them as its first commit did); a rollback's removed steps saved before it and ``held`` steps
-    (a step anomaly being rolled back: ``held(epoch, round)`` the first step not to count) count no memory copy;
-    a copy whose checksum is not the rank's (the durable shard's, else the owner's own snapshot's) does not
-    count. ``invalid``: memory-only steps marked invalid (step -> why); ``bad``: (step, rank) -> {copy key: why}
-    of memory copies found corrupt."""
-    newest, floor = abandoned_floor(snaps, durable)
-    by_step: dict[int, list[Snap]] = {}
-    stops: dict[tuple[int, int], int | None] = {}  # (epoch, round) -> held's first step not to count
-    for s in snaps:
-        if s.step >= floor and _older(s.epoch, s.round, newest):
-            continue
-        if rollback is not None and s.step > rollback.step and s.created < rollback.at_unix_s:
-            continue
-        timeline = (s.epoch, s.round)
-        if timeline not in stops:
-            stops[timeline] = held(s.epoch, s.round if s.round >= 0 else None)
-        stop = stops[timeline]
-        if stop is not None and s.step >= stop:
-            continue
-        group = by_step.get(s.step)
-        if group is None:
-            by_step[s.step] = [s]
-        else:
-            group.append(s)
-    out = {r.step: r for r in durable if not (r.step >= floor and _older(r.epoch, r.round, newest))}
-    for step, group in by_step.items():
-        record = _with_memory(out.get(step), group, (invalid or {}).get(step, ""), bad or {}, dead)
-        if record is not None:
-            out[step] = record
-    return [out[s] for s in sorted(out)]
-
-
-def _with_memory(base: rules.CheckpointRecord | None, group: list[Snap], invalid: str,
-                 bad: Mapping[tuple[int, int], Mapping[str, str]],
-                 dead: Collection[str] = ()) -> rules.CheckpointRecord | None:
-    """One step: ``base`` (durable, or None) with the memory copies of ``group`` added (the newest
-    timeline's shape; own snapshots define a missing rank before replicas do). Built in two passes
-    without sorting: 16,000 ranks and their replicas take a fraction of a second."""
-    if base is None:
-        first = max(group, key=lambda s: (s.epoch, s.round, not s.replica))
-        base = rules.CheckpointRecord(first.job, first.step, first.epoch, first.world_size, first.format,
-                                      min(s.created for s in group), {}, invalid, first.cadence, first.round)
-    shape = (base.epoch, base.world_size, base.format)
-    durable = base.shards
-    defined: dict[int, Snap] = {}  # ranks the durable record lacks: the snapshot that defines each
-    copies: dict[int, set[rules.CopyRef]] = {}
-    for replicas in (False, True):
-        for s in group:
-            if s.replica is not replicas or (s.epoch, s.world_size, s.format) != shape:
-                continue  # the other pass's, or another timeline's bytes under this step number
-            shard = durable.get(s.rank)
-            checksum = shard.checksum if shard is not None else defined.setdefault(s.rank, s).checksum
-            if s.checksum != checksum:
-                continue  # other bytes than the rank's: the copy does not count
-            mem = copies.setdefault(s.rank, set())
-            if s.node not in dead:
-                mem.add(rules.CopyRef(rules.MEMORY, s.node))
-    if not copies or (not any(copies.values()) and all(rank in durable for rank in copies)):
-        return None
-    shards = dict(durable)
-    step = base.step
-    for rank, mem in copies.items():
-        marks = bad.get((step, rank))
-        shard = durable.get(rank)
-        if shard is None:
-            d = defined[rank]
-            shards[rank] = rules.ShardRecord(rank, d.bytes, d.checksum, d.files, frozenset(mem),
-                                             dict(marks) if marks else {}, d.created, d.writer)
-        else:
-            shards[rank] = rules.ShardRecord(rank, shard.bytes, shard.checksum, shard.files, shard.copies | mem,
-                                             {**shard.bad, **marks} if marks else shard.bad, shard.committed_unix_s,
-                                             shard.writer)
-    return replace(base, shards=shards, invalid_reason=base.invalid_reason or invalid)
 
 
 @dataclass
@@ -560,7 +457,8 @@ class MemoryLedger:
             return sorted(durable, key=lambda r: r.step)
         invalid = {s: why for (j, s), why in self.invalid.items() if j == job}
         bad = {(s, r): marks for (j, s, r), marks in self.bad.items() if j == job}
-        return merge(durable, snaps, rollback, held, invalid, bad, self._gone[2])
+        with collector_paused():
+            return merge(durable, snaps, rollback, held, invalid, bad, self._gone[2])
 
 
 def late_reason(late: Sequence[str], deadline_s: float) -> str:
