@@ -30,7 +30,7 @@ from ftd.throttle import LogThrottle
 from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
 
 from . import shard_rules
-from .memory_merge import abandoned_floor, collector_paused, merge
+from .memory_merge import Snap, abandoned_floor, collector_paused, merge
 from .rendezvous import JobState
 from .view import ClusterView
 
@@ -47,31 +47,6 @@ STATES_EVERY_S = 0.1  # the nodes' states are looked at most this often (a resto
 MERGE_FRESH_S = 0.005  # a merge built faster than this is rebuilt on every change (all but the largest jobs)
 MERGE_SHARE = 0.1
 MERGE_MAX_AGE_S = 1.0  # and it is never older than this: a node keeps MEM_KEEP snapshots per rank
-
-
-class Snap(NamedTuple):
-    """One memory snapshot as the leader keeps it (a tuple: cheap to make, a few µs per snapshot)."""
-
-    node: str  # where it is: the reporting node (its location on the memory tier)
-    writer: str  # the node whose rank it is (the reporting node for its own ranks, the owner for a replica)
-    replica: bool
-    job: str
-    step: int
-    epoch: int
-    rank: int
-    world_size: int
-    format: str
-    files: tuple[FileEntry, ...]
-    checksum: str
-    created: float
-    restored: int | None
-    round: int  # -1: not known
-    cadence: str
-    size: int  # the files' bytes, summed once when reported (a merge reads it for every rank)
-
-    @property
-    def bytes(self) -> int:
-        return self.size
 
 
 def snap_of(node: str, manifest: ShardManifest, writer: str, replica: bool = False, restored: int | None = None,

@@ -10,12 +10,35 @@ import contextlib
 import gc
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from ftd.checkpoints import catalog as rules
+from ftd.checkpoints.layout import FileEntry
 
-if TYPE_CHECKING:
-    from .memory_ledger import Snap
+
+class Snap(NamedTuple):
+    """One memory snapshot as the leader keeps it (a tuple: cheap to make, a few µs per snapshot)."""
+
+    node: str  # where it is: the reporting node (its location on the memory tier)
+    writer: str  # the node whose rank it is (the reporting node for its own ranks, the owner for a replica)
+    replica: bool
+    job: str
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    format: str
+    files: tuple[FileEntry, ...]
+    checksum: str
+    created: float
+    restored: int | None
+    round: int  # -1: not known
+    cadence: str
+    size: int  # the files' bytes, summed once when reported (a merge reads it for every rank)
+
+    @property
+    def bytes(self) -> int:
+        return self.size
 
 
 def _older(epoch: int, round_: int, than: tuple[int, int]) -> bool:

@@ -245,6 +245,8 @@ def test_mass_failure_commits_in_several_epochs_within_etcd_txn_limits() -> None
         for i in ids[:120]:  # a whole row of racks loses power
             ctl.membership.close_stream(ctl.membership.streams[i])
         await step(ctl, clock, tuple(ids[120:]), n=25)
+        assert store.world.ranks == tuple(ids), "120 of 150 silent at once: a mass silence, held first"
+        await step(ctl, clock, tuple(ids[120:]), n=110)  # past the 10 s hold: the still silent are declared
         assert store.world.ranks == tuple(ids[120:])
         assert all(store.nodes[i].fence is not None for i in ids[:120])
         assert store.world.epoch - first == 3, "120 fences at 40 per transaction: three epochs"
