@@ -35,6 +35,7 @@ from . import errors, paging, rate_limits, shard_rules, validation
 from . import memory_ledger as ledger
 from . import rendezvous as rules_job
 from .leader_state import LeaderState
+from .merge_cache import MergeCache
 from .metrics import CoordinatorMetrics
 from .view import ClusterView
 
@@ -85,12 +86,10 @@ class CatalogKeeper:
         self.memory = ledger.MemoryLedger()
         self.memory_deadline_s = memory_deadline_s
         self.address = ""  # this replica's address: where a refused restore target is retried (ReportsPending)
-        # Merged records and restore targets are cached until the ledger, the durable records or the
-        # nodes' states change: after a failure every rank asks for the same target at once.
-        self._generation = 0  # bumped with every change of the durable records
-        # job -> (key, merged, settled key, built at, build seconds): see memory_ledger.merge_due
-        self._merged: dict[str, tuple[tuple[int, int, int], list[rules.CheckpointRecord], tuple[int, int, int],
-                                      float, float]] = {}
+        # Merged records (merge_cache.py) and restore targets are cached until the ledger, the durable
+        # records or the nodes' states change: after a failure every rank asks for the same target at once.
+        # (a lambda: the controller sets self.held later)
+        self.merges = MergeCache(state, self.memory, clock, lambda j, e, r: self.held(j, e, r))  # noqa: PLW0108
         self._targets: dict[tuple[object, ...], checkpoint_pb2.RestoreTarget] = {}
         self.clock, self.memory_in_etcd = clock, False  # True: memory RPCs go to etcd as before issue 19 (bench)
         self.limiter = limiter or rate_limits.WriteLimiter()
@@ -121,7 +120,7 @@ class CatalogKeeper:
         view = self.state.require_leader()
         for record in records:
             view.catalog[(record.job, record.step)] = record
-        self._generation += 1
+        self.merges.durable_changed()
         self.publish_gauges()
 
     # The records live in the leader's view, loaded from etcd with everything else.
@@ -145,7 +144,7 @@ class CatalogKeeper:
             view.catalog[(record.job, record.step)] = record
         for key in removed:
             view.catalog.pop(key, None)
-        self._generation += 1
+        self.merges.durable_changed()
 
     def publish_gauges(self) -> None:
         """The newest valid checkpoint per job and the interval between the two newest."""
@@ -312,26 +311,14 @@ class CatalogKeeper:
         self.memory.take(node, incarnation, report, self.state.require_leader().jobs.values())
 
     def merged(self, job: str) -> list[rules.CheckpointRecord]:
-        """The job's durable records merged with the memory snapshots of its alive nodes."""
-        view = self.state.require_leader()
-        now = self.clock()
-        self.memory.gone(view, now)  # a dead node's report goes: its memory died with it
-        key = (self.memory.generation, self._generation, id(view))
-        settled = (self.memory.settled, self._generation, id(view))
-        cached = self._merged.get(job)
-        if cached is not None and (cached[0] == key or (cached[2] == settled
-                                   and not ledger.merge_due(now, cached[3], cached[4]))):
-            return cached[1]
-        began = time.perf_counter()
-        durable = [r for (j, _), r in view.catalog.items() if j == job]
-        state = view.jobs.get(job)
-        suspect = (state.suspect_from, state.suspect_unix_s) if state is not None and state.suspect_from >= 0 else None
-        merged = self.memory.records(job, durable, view.rollbacks.get(job),
-                                     lambda epoch, round_: self.held(job, epoch, round_), suspect)
-        if len(self._merged) >= MAX_JOB_SERIES:
-            self._merged.clear()
-        self._merged[job] = (key, merged, settled, now, time.perf_counter() - began)
-        return merged
+        """The job's durable records merged with the memory snapshots of its alive nodes (merge_cache.py)."""
+        return self.merges.merged(job)
+
+    async def prepare(self, job: str) -> None:
+        """Before a restore target: an expensive merge is rebuilt off the event loop (merge_cache.py)."""
+        _check(job, 0)
+        if not self.readiness(job).waiting:
+            await self.merges.prepare(job)
 
     def _merged_step(self, job: str, step: int) -> rules.CheckpointRecord | None:
         return next((r for r in self.merged(job) if r.step == step), None)
@@ -519,7 +506,7 @@ class CatalogKeeper:
         records = self.merged(job)
         state = view.jobs.get(job)
         gone = self.memory.gone(view, self.clock())
-        key = (job, world_size, replicated, fmt, self._merged[job][0] if job in self._merged else None, gone,
+        key = (job, world_size, replicated, fmt, self.merges.key_of(job), gone,
                len(view.nodes), ready.late, view.rollbacks.get(job), state.skip_until if state is not None else -1)
         answer = self._targets.get(key)
         if answer is None:

@@ -97,6 +97,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetRestoreTarget(self, request: checkpoint_pb2.GetRestoreTargetRequest,
                                context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RestoreTarget:
         async def target() -> checkpoint_pb2.RestoreTarget:
+            await self.ctl.catalog.prepare(request.job)
             return self.ctl.catalog.restore_target(request.job, request.world_size, request.replicated,
                                                    request.format)
         return await self._unary(context, target)

@@ -4,8 +4,11 @@ leader, and the catalog's answers built from them (in process, on the controller
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from controller_harness import Clock, cluster, make, run, step
@@ -16,7 +19,7 @@ from ftd.agent.errors import AgentError
 from ftd.agent.memory_report import FILE, MemoryInventory, manifest_proto
 from ftd.checkpoints import catalog as rules
 from ftd.checkpoints.layout import MANIFEST, FileEntry, ShardManifest, shard_prefix
-from ftd.coordinator import errors
+from ftd.coordinator import errors, merge_cache
 from ftd.coordinator import memory_ledger as ledger
 from ftd.coordinator.store import MemoryStore
 from ftd.v1 import checkpoint_pb2, coordinator_pb2
@@ -348,6 +351,44 @@ def test_the_catalog_coalesces_report_only_rebuilds_of_an_expensive_merge(monkey
         assert cat.restore_target(JOB).checkpoint.step == 13
         await cat.invalidate(checkpoint_pb2.InvalidateCheckpointRequest(job=JOB, step=13, reason="bad"))
         assert cat.restore_target(JOB).checkpoint.step == 14, "anything but a report rebuilds at once"
+
+    run(go)
+
+
+def test_an_expensive_merge_is_rebuilt_on_a_worker_thread_once_for_concurrent_askers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """MergeCache.prepare: a restore target's expensive rebuild runs off the event loop (a 16,000-rank
+    merge stopped a failover's loop for seconds), and the answer then comes from the cache."""
+    async def go() -> None:
+        monkeypatch.setattr(ledger, "MERGE_FRESH_S", 0.0)  # every merge counts as expensive
+        monkeypatch.setattr(merge_cache, "OFFLOAD_S", 0.0)
+        threads: list[int] = []
+        real = ledger.merge
+
+        def spy(*args: Any, **kwargs: Any) -> list[rules.CheckpointRecord]:
+            threads.append(threading.get_ident())
+            return real(*args, **kwargs)
+        monkeypatch.setattr(ledger, "merge", spy)
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        await cluster(ctl, clock)
+        cat = ctl.catalog
+        cat.take_report("a", "i1", report(snap(12, 0), snap(12, 1, owner="b")))
+        cat.take_report("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
+        await asyncio.gather(*(cat.prepare(JOB) for _ in range(5)))
+        assert len(threads) == 1, "five askers at once: one rebuild"
+        assert threads[0] != threading.get_ident(), "built on a worker thread, not the event loop's"
+        assert cat.restore_target(JOB).checkpoint.step == 12 and len(threads) == 1, "then served from the cache"
+        cat.take_report("a", "i1", report(snap(13, 0), snap(13, 1, owner="b"), version=2))
+        cat.take_report("b", "i1", report(snap(13, 1), snap(13, 0, owner="a"), version=2))
+        await cat.prepare(JOB)
+        assert len(threads) == 1 and cat.restore_target(JOB).checkpoint.step == 12, "reports only: not due yet"
+        clock.advance(ledger.MERGE_MAX_AGE_S)
+        await cat.prepare(JOB)
+        assert len(threads) == 2 and threads[1] != threading.get_ident()
+        assert cat.restore_target(JOB).checkpoint.step == 13 and len(threads) == 2
+        with pytest.raises(errors.InvalidArgument):
+            await cat.prepare("no such/job")
 
     run(go)
 
