@@ -28,7 +28,7 @@ from ftd.v1 import cluster_pb2, coordinator_pb2
 from . import buddies, errors, handover_rules, rate_limits, validation
 from .admission import check_heartbeat, decide_registration, validate_register
 from .beacon_listener import BeaconBook, BeaconKey, admit, echo_due, probe_due
-from .detector import Hold, Liveness, State, Verdict, judge, mass_hold
+from .detector import RECONNECT_MAX, Hold, Liveness, Reconnects, State, Verdict, judge, mass_hold
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
@@ -94,6 +94,7 @@ class Membership:
         self._last_judged: float | None = None
         self._hold: Hold | None = None  # the last mass silence's hold (detector.mass_hold)
         self._declared: deque[float] = deque()  # when this leader declared deaths, lately (one entry each)
+        self._reconnects = Reconnects(-1e18, 0.0)  # this term's reconnect storm (detector.reconnect_grace_until)
         self._peers_stale = True  # the world or the alive set may have changed since the buddies were chosen
         self._ring: list[buddies.Peer] = []  # the alive nodes the buddies were chosen among, by node id
         self._ring_ids: list[str] = []
@@ -121,6 +122,7 @@ class Membership:
         self._last_judged = None
         self._hold = None
         self._declared.clear()
+        self._reconnects = Reconnects(self.clock(), self.settings.failover_grace_s)
         self._peers_stale = True
 
     # ---- registration ------------------------------------------------------------------------
@@ -184,6 +186,8 @@ class Membership:
         now = self.clock()
         live.last_seen = now
         live.connected, live.disconnected_at = True, None
+        if live.grace_until:
+            self._reconnects.last = now  # a reconnect storm goes on: the unheard keep their grace
         live.grace_until = 0.0  # proven alive on this leader: from now on silence is evidence again
         runtime.last_heartbeat = now
         runtime.known_epoch = req.known_epoch
@@ -518,6 +522,11 @@ class Membership:
         # Verdicts of nodes heard from lately are reused as they were (detector.judge's ``previous``):
         # only the silent ones are judged and compared afresh, so a tick is cheap at 10,000 nodes.
         before_all = view.verdicts
+        storm = self._reconnects
+        if storm.extend(now, view.liveness, detector.dead_after_s) and not storm.logged:
+            storm.logged = True
+            log.warning("nodes still re-open their streams %.1fs after the election: the unheard keep their grace "
+                        "while nodes arrive (%.0fs at most)", now - storm.since, RECONNECT_MAX * storm.grace_s)
         judgement = judge(now, view.liveness, detector, self._last_judged, before_all)
         self._last_judged = now
         changed = len(judgement.verdicts) != len(before_all)

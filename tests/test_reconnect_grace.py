@@ -1,0 +1,81 @@
+"""A new leader's reconnect storm (coordinator/detector.py ``reconnect_grace_until``): the nodes it has not
+heard from yet keep their failover grace while others keep arriving, at most ``RECONNECT_MAX`` graces after
+the election; a node that never comes back is still declared. The pure rule, then a takeover on the
+in-memory store with a hand-moved clock."""
+
+from __future__ import annotations
+
+from controller_harness import WALL, Clock, hb, make, reg, run, step
+
+from ftd.coordinator.control import Controller
+from ftd.coordinator.detector import RECONNECT_MAX, Liveness, Reconnects, reconnect_grace_until
+from ftd.coordinator.settings import CoordinatorSettings
+from ftd.coordinator.store import MemoryStore
+
+
+def test_the_grace_follows_the_last_arrival_within_a_bound() -> None:
+    assert reconnect_grace_until(100.0, None, 8.0, 2.5) == 108.0, "nobody back yet: the failover grace"
+    assert reconnect_grace_until(100.0, 105.0, 8.0, 2.5) == 108.0, "an arrival inside it changes nothing"
+    assert reconnect_grace_until(100.0, 107.0, 8.0, 2.5) == 109.5, "one near its end: 2.5 s after it"
+    assert reconnect_grace_until(100.0, 130.0, 8.0, 2.5) == 100.0 + RECONNECT_MAX * 8.0, "bounded"
+
+
+def test_only_the_nodes_still_in_grace_are_extended() -> None:
+    storm = Reconnects(since=100.0, grace_s=8.0)
+    table = {"heard": Liveness(last_seen=107.0), "unheard": Liveness(last_seen=100.0, grace_until=108.0),
+             "ended": Liveness(last_seen=90.0, grace_until=99.0)}
+    assert storm.extend(107.0, table, 2.5) == 0, "no arrival: the failover grace as it is"
+    storm.last = 107.0
+    assert storm.extend(107.0, table, 2.5) == 1
+    assert [table[n].grace_until for n in ("heard", "unheard", "ended")] == [0.0, 109.5, 99.0]
+    assert storm.extend(107.1, table, 2.5) == 0, "nothing new"
+
+
+def _takeover_scenario(arrivals: dict[str, float], never: str, ticks: int) -> tuple[set[str], float | None, float]:
+    """12 nodes on leader c0; c1 takes over (nobody heard yet); node ``n`` re-opens its stream
+    ``arrivals[n]`` s after the election and heartbeats from then on; ``never`` does not come back.
+    What c1 fenced, when it fenced ``never`` (s after the election) and the election's time."""
+    async def scenario() -> tuple[set[str], float | None, float]:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        old = make(store, clock, "c0")
+        await old.leadership_step()
+        await step(old, clock, n=60)
+        nodes = (*arrivals, never)
+        for node_id in nodes:
+            await old.membership.register(reg(node_id))
+            hb(old, node_id)
+        await step(old, clock, nodes, n=20)
+        clock.advance(4.0)  # c0 stops refreshing its lease (ttl 3 s)
+        settings = CoordinatorSettings(replica_id="c1", failover_grace_s=5.0, mass_silence_hold_s=0.0)
+        new = Controller(store, settings, "127.0.0.1:7401", clock=clock, wall=lambda: WALL + clock.now)
+        await new.leadership_step()
+        assert new.is_leader
+        elected, fenced_at = clock.now, None
+        for _ in range(ticks):
+            back = tuple(n for n, at in arrivals.items() if clock.now - elected >= at)
+            await step(new, clock, back)
+            if fenced_at is None and store.nodes[never].fence is not None:
+                fenced_at = clock.now - elected
+        fenced = {n for n, node in store.nodes.items() if node.fence is not None}
+        await new.stop()
+        await old.stop()
+        return fenced, fenced_at, elected
+
+    return run(scenario)
+
+
+def test_nodes_arriving_after_the_failover_grace_live_and_one_that_never_does_is_declared() -> None:
+    # Six back at once, then one every 2 s until 12 s: past the 5 s grace, inside 2.5 s of the one before.
+    arrivals = {f"n{i:02d}": 1.0 for i in range(6)} | {f"n{i:02d}": 4.0 + 2 * (i - 6) for i in range(6, 11)}
+    fenced, fenced_at, _ = _takeover_scenario(arrivals, "n11", ticks=200)
+    assert fenced == {"n11"}, "the late arrivals live; the node that never came back is declared"
+    assert fenced_at is not None and 12.0 + 2.5 <= fenced_at <= 12.0 + 2.5 + 1.0, fenced_at
+
+
+def test_a_storm_that_never_ends_holds_no_node_past_the_bound() -> None:
+    arrivals = {f"n{i:02d}": 1.0 + 1.7 * i for i in range(11)}  # one every 1.7 s until 18 s
+    fenced, fenced_at, _ = _takeover_scenario(arrivals, "n11", ticks=250)
+    bound = RECONNECT_MAX * 5.0
+    assert fenced == {"n09", "n10", "n11"}, "back by the bound (14.6 s): alive; not back by it: declared"
+    assert fenced_at is not None and bound <= fenced_at <= bound + 1.0, fenced_at
