@@ -190,13 +190,18 @@ def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles 
                            "failover_first_answer_s": _r(first_answer - killed_at) if first_answer else None,
                            "failover_complete_target_s": _r(complete_at - killed_at) if complete_at else None,
                            "failover_refusals": refusals, "failover_last_refusal": last_error}
-    if new is not None:
-        with rpc.channel(new.address, tls=tls) as ch:
-            status = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=10)
-        assert complete_at is not None
-        out["failover_complete_after_takeover_s"] = _r(complete_at - status.leader_since_unix_s)
-        out["failover_takeover_s"] = _r(status.leader_since_unix_s - killed_at)
-        out["failover_new_leader"] = new.rid
+    for rep in [new] if new is not None else others:  # the takeover's time even when no target was complete
+        try:
+            with rpc.channel(rep.address, tls=tls) as ch:
+                status = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(coordinator_pb2.GetStatusRequest(),
+                                                                            timeout=10)
+        except grpc.RpcError:
+            continue
+        if status.leader_since_unix_s > killed_at:
+            out["failover_takeover_s"] = _r(status.leader_since_unix_s - killed_at)
+            out["failover_new_leader"] = rep.rid
+            if complete_at is not None:
+                out["failover_complete_after_takeover_s"] = _r(complete_at - status.leader_since_unix_s)
     return out
 
 

@@ -9,9 +9,10 @@ Two kinds of evidence, both on the leader's monotonic clock:
 Between ``suspect_after_s`` and death a node is *suspect*: shown, never acted on. A node under a
 *grace* deadline (a new leader that just loaded state from etcd) is never judged dead before the
 deadline, so a failover cannot kill a live node; the deadline is stretched while nodes keep re-opening
-their streams (:func:`reconnect_grace_until`). If the judge itself was not run for longer than
-``stall_after_s`` (the coordinator was starved of CPU) every silence is suspect evidence, so the
-caller must grant grace rather than act; :func:`judge` says so in :attr:`Judgement.stalled`.
+their streams (:func:`reconnect_grace_until`), and a node heard from again keeps it (:class:`Reconnects`).
+If the judge itself was not run for longer than ``stall_after_s`` (the coordinator was starved of CPU)
+every silence is suspect evidence, so the caller must grant grace rather than act; :func:`judge` says
+so in :attr:`Judgement.stalled`.
 
 A *mass silence* (:func:`mass_hold`) is the other way the leader's own state shows: more than a
 fraction of the nodes falling silent together is far likelier the leader being overloaded (a
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class State(str, enum.Enum):
@@ -208,16 +209,27 @@ def reconnect_grace_until(since: float, last_arrival: float | None, grace_s: flo
 
 @dataclass
 class Reconnects:
-    """A leadership term's reconnect storm: when it began and its last arrival (a node first heard)."""
+    """A leadership term's reconnect storm: when it began, the nodes heard since and the last of them
+    to arrive. A node heard keeps its grace too: in a storm a re-opened stream's next heartbeats are
+    late for the same reasons its first was (measured: 58 of 2,000 live nodes fenced 3 s after a
+    takeover, each heard once, then its beacons and probe answers queued behind the reconnects)."""
 
     since: float
     grace_s: float  # failover_grace_s
     last: float | None = None
     until: float = 0.0  # the grace granted so far
     logged: bool = False
+    heard: set[str] = field(default_factory=set)
+
+    def arrived(self, node_id: str, now: float, live: Liveness) -> None:
+        """A heartbeat of ``node_id``: its first on this leader while in grace extends the storm."""
+        if live.grace_until > now and node_id not in self.heard:
+            self.heard.add(node_id)
+            self.last = now
 
     def extend(self, now: float, liveness: Mapping[str, Liveness], quiet_s: float) -> int:
-        """Extends the grace of the nodes still in it to :func:`reconnect_grace_until`; how many."""
+        """Extends the grace of the nodes still in it (heard or not) to :func:`reconnect_grace_until`; how
+        many."""
         until = reconnect_grace_until(self.since, self.last, self.grace_s, quiet_s)
         if until <= self.until or until <= now or until <= self.since + self.grace_s:
             return 0

@@ -186,9 +186,7 @@ class Membership:
         now = self.clock()
         live.last_seen = now
         live.connected, live.disconnected_at = True, None
-        if live.grace_until:
-            self._reconnects.last = now  # a reconnect storm goes on: the unheard keep their grace
-        live.grace_until = 0.0  # proven alive on this leader: from now on silence is evidence again
+        self._reconnects.arrived(req.node_id, now, live)  # its grace runs on: a storm delays its next ones too
         runtime.last_heartbeat = now
         runtime.known_epoch = req.known_epoch
         runtime.seq = req.seq
@@ -221,7 +219,6 @@ class Membership:
         entry.seq_seen = beacon.seq
         now = self.clock()
         live.last_seen = now
-        live.grace_until = 0.0
         runtime = view.runtime.get(entry.node_id)
         if runtime is not None:
             runtime.last_heartbeat = now
@@ -364,8 +361,10 @@ class Membership:
             self.metrics.heartbeat_streams.set(len(self.streams))
             view = self.state.view
             if view is not None and stream.node_id in view.liveness:
-                live = view.liveness[stream.node_id]
-                live.connected, live.disconnected_at = False, self.clock()
+                live, now = view.liveness[stream.node_id], self.clock()
+                live.connected, live.disconnected_at = False, now
+                # A closed stream is evidence even in a storm's grace: the node has the usual time to re-open it.
+                live.grace_until = min(live.grace_until, now + self.settings.detector.disconnect_dead_after_s)
 
     def close_streams(self, error: errors.CoordinatorError | None) -> None:
         """Drops every stream, so agents cannot keep a deposed leader's picture alive."""

@@ -31,10 +31,13 @@ def test_only_the_nodes_still_in_grace_are_extended() -> None:
     assert storm.extend(107.1, table, 2.5) == 0, "nothing new"
 
 
-def _takeover_scenario(arrivals: dict[str, float], never: str, ticks: int) -> tuple[set[str], float | None, float]:
+def _takeover_scenario(arrivals: dict[str, float], never: str, ticks: int,
+                       gaps: dict[str, tuple[float, float]] | None = None) -> tuple[set[str], float | None, float]:
     """12 nodes on leader c0; c1 takes over (nobody heard yet); node ``n`` re-opens its stream
-    ``arrivals[n]`` s after the election and heartbeats from then on; ``never`` does not come back.
-    What c1 fenced, when it fenced ``never`` (s after the election) and the election's time."""
+    ``arrivals[n]`` s after the election and heartbeats from then on, except in ``gaps[n]`` (s after
+    the election); ``never`` does not come back. What c1 fenced, when it fenced ``never`` (s after the
+    election) and the election's time."""
+    gaps = gaps or {}
     async def scenario() -> tuple[set[str], float | None, float]:
         clock, store = Clock(), MemoryStore()
         store.clock = clock
@@ -53,7 +56,9 @@ def _takeover_scenario(arrivals: dict[str, float], never: str, ticks: int) -> tu
         assert new.is_leader
         elected, fenced_at = clock.now, None
         for _ in range(ticks):
-            back = tuple(n for n, at in arrivals.items() if clock.now - elected >= at)
+            t = clock.now - elected
+            back = tuple(n for n, at in arrivals.items()
+                         if t >= at and not gaps.get(n, (0.0, 0.0))[0] <= t < gaps.get(n, (0.0, 0.0))[1])
             await step(new, clock, back)
             if fenced_at is None and store.nodes[never].fence is not None:
                 fenced_at = clock.now - elected
@@ -79,3 +84,14 @@ def test_a_storm_that_never_ends_holds_no_node_past_the_bound() -> None:
     bound = RECONNECT_MAX * 5.0
     assert fenced == {"n09", "n10", "n11"}, "back by the bound (14.6 s): alive; not back by it: declared"
     assert fenced_at is not None and bound <= fenced_at <= bound + 1.0, fenced_at
+
+
+def test_a_node_heard_in_the_storm_and_then_silent_keeps_its_grace() -> None:
+    # n00 re-opens its stream 1 s after the election, then its heartbeats stop for 3 s (> dead_after_s
+    # 2.5 s) while the 5 s grace runs: held, not fenced; n01 goes silent for good after its first ones and
+    # is declared once the grace ends (5 s + dead_after_s after its last heartbeat at most).
+    arrivals = {f"n{i:02d}": 1.0 for i in range(11)}
+    fenced, fenced_at, _ = _takeover_scenario(arrivals, "n11", ticks=150,
+                                              gaps={"n00": (1.5, 4.5), "n01": (1.5, 1e9)})
+    assert fenced == {"n01", "n11"}, "the node silent in the storm and back lives; the silent for good do not"
+    assert fenced_at is not None and 5.0 <= fenced_at <= 5.0 + 1.0, fenced_at
