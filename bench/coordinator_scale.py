@@ -275,7 +275,8 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         if args.kill_leader and len(replicas) > 1:
             failover = _kill_leader(replicas, leader, operator, restore.get("restore_target_step"))
             new = next((r for r in replicas if r.rid == failover.get("failover_new_leader")), None)
-            if new is not None:
+            if new is not None:  # counted when the simulated agents are about to stop: deaths after the target too
+                time.sleep(max(0.0, stop_at - 2.0 - time.time()))
                 after = [e for e in _events(new.address, operator)
                          if e.kind == "node_dead" and e.at_unix_s > window_end and e.node_id not in victims]
                 failover["failover_false_positives"] = len({e.node_id for e in after})
