@@ -269,8 +269,12 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         time.sleep(max(0.0, window_end - time.time() - 0.5))
         m1, e1, t1 = scrape(leader.metrics), _etcd_sample(etcd), time.monotonic()
         c1 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
-        events = _events(leader.address, operator)  # before the simulated agents stop (then all would die)
-        restore = _restore_latency(leader.address, operator) if args.memory_every_step else {}
+        # Before the simulated agents stop (then all would die); from whichever replica leads now: an
+        # overloaded leader may have lost its lease in the window (the figures then say so).
+        events, leading = _events_of_leader(replicas, leader, operator)
+        restore = _restore_latency(leading.address, operator) if args.memory_every_step else {}
+        if leading is not leader:
+            restore["leader_lost_in_window"] = f"{leader.rid} -> {leading.rid}"
         failover: dict[str, Any] = {}
         if args.kill_leader and len(replicas) > 1:
             failover = _kill_leader(replicas, leader, operator, restore.get("restore_target_step"))
@@ -369,6 +373,20 @@ def compare_to_baselines(old: dict[str, Any], new: dict[str, Any], baselines: li
             "rpc_us_per_agent_s": a, "ratio": round(b / a, 3) if a else None,
             "bound": "le" if r["saturated"] else "eq"}
     return out
+
+
+def _events_of_leader(replicas: list[_Replica], leader: _Replica,
+                      tls: IdentityFiles | None) -> tuple[list[Any], _Replica]:
+    """The event log from ``leader``, or from the first other replica that answers as leader."""
+    last: grpc.RpcError | None = None
+    for rep in [leader, *(r for r in replicas if r is not leader)]:
+        if rep.proc.poll() is not None:
+            continue
+        try:
+            return _events(rep.address, tls), rep
+        except grpc.RpcError as exc:
+            last = exc
+    raise RuntimeError(f"no replica answered as leader: {rpc.describe(last) if last else 'none alive'}")
 
 
 def _events(address: str, tls: IdentityFiles | None) -> list[Any]:
