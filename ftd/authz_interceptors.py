@@ -132,17 +132,18 @@ class Guard:
         return decision
 
     def check(self, context: grpc.ServicerContext, method: str, request: object,
-              identity: Identity | None = None) -> None:
+              identity: Identity | None = None, serial: str | None = None) -> None:
         """For a blocking servicer: aborts the call (``PERMISSION_DENIED``/``UNAUTHENTICATED``, the
-        reason as details) unless the table allows it."""
-        decision = self.decide(method, identity or peer_identity(context), request, peer_serial(context))
+        reason as details) unless the table allows it. ``identity``/``serial``: the peer's, when the
+        caller has them already (a stream's peer is the same for every message)."""
+        decision = self.decide(method, identity or peer_identity(context), request, serial or peer_serial(context))
         if not decision.allowed:
             context.abort(_code(decision), decision.reason)
 
     async def check_aio(self, context: aio.ServicerContext[Any, Any], method: str, request: object,
-                        identity: Identity | None = None) -> None:
+                        identity: Identity | None = None, serial: str | None = None) -> None:
         """:meth:`check` for an asyncio servicer."""
-        decision = self.decide(method, identity or peer_identity(context), request, peer_serial(context))
+        decision = self.decide(method, identity or peer_identity(context), request, serial or peer_serial(context))
         if not decision.allowed:
             await context.abort(_code(decision), decision.reason)
 
@@ -185,11 +186,11 @@ class AuthzInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         if handler.request_streaming:
             def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                identity = peer_identity(context)
+                identity, serial = peer_identity(context), peer_serial(context)  # once per stream
 
                 def checked() -> Iterator[Any]:
                     for request in requests:
-                        guard.check(context, method, request, identity)
+                        guard.check(context, method, request, identity, serial)
                         yield request
                 return inner(checked(), context)
             return _rebuild(handler, streaming)
@@ -237,10 +238,10 @@ class AioAuthzInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
 
         if handler.request_streaming:
             def prepare(requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]) -> tuple[Any, Any]:
-                identity = peer_identity(context)
+                identity, serial = peer_identity(context), peer_serial(context)  # once per stream
 
                 async def check(message: Any) -> None:
-                    await guard.check_aio(context, method, message, identity)
+                    await guard.check_aio(context, method, message, identity, serial)
 
                 async def checked() -> AsyncIterator[Any]:
                     async for request in requests:
