@@ -79,6 +79,7 @@ class Judgement:
 
 
 HEARTBEATING = "heartbeating"  # the reason of a node heard from lately: its verdict is reused (judge's previous)
+IN_GRACE = "in grace"  # the reason of a node in grace heard from lately: reused as well
 
 
 def judge_one(now: float, live: Liveness, settings: DetectorSettings) -> Verdict:
@@ -87,7 +88,7 @@ def judge_one(now: float, live: Liveness, settings: DetectorSettings) -> Verdict
         if silent >= settings.suspect_after_s:
             return Verdict(State.SUSPECT, f"silent {silent:.2f}s, in grace for {live.grace_until - now:.2f}s",
                            silent)
-        return Verdict(State.ALIVE, "in grace", silent)
+        return Verdict(State.ALIVE, IN_GRACE, silent)
     if silent >= settings.dead_after_s:
         return Verdict(
             State.DEAD, f"no heartbeat for {silent:.2f}s (dead_after_s={settings.dead_after_s:g})", silent
@@ -118,9 +119,10 @@ def judge(
     ``stall_after_s`` means this process was not running, so silences are not evidence.
 
     With ``previous`` (the last judgement's verdicts) a node heard from within ``suspect_after_s``,
-    connected and out of grace keeps its previous "heartbeating" verdict object as it was (its
-    ``silent_s`` is then that of the judgement that made it): the same states and reasons as a full
-    judgement, at a fraction of the cost per node, and the caller can skip unchanged verdicts by identity."""
+    connected and out of grace keeps its previous "heartbeating" verdict object as it was, and one heard
+    from as lately in grace its "in grace" one (its ``silent_s`` is then that of the judgement that made
+    it): the same states and reasons as a full judgement, at a fraction of the cost per node, and the
+    caller can skip unchanged verdicts by identity."""
     if last_judged is not None and now - last_judged > settings.stall_after_s:
         gap = now - last_judged
         reason = f"coordinator did not run for {gap:.2f}s (> stall_after_s={settings.stall_after_s:g})"
@@ -137,8 +139,9 @@ def judge(
     verdicts = {}
     for node_id, live in table.items():
         before = previous.get(node_id)
-        if (before is not None and live.last_seen > fresh_after and live.connected and live.grace_until <= now
-                and before.state is State.ALIVE and before.reason == HEARTBEATING):
+        if before is not None and live.last_seen > fresh_after and before.state is State.ALIVE and (
+                (live.connected and live.grace_until <= now and before.reason == HEARTBEATING)
+                or (live.grace_until > now and before.reason == IN_GRACE)):  # a reconnect storm's 2,000 nodes
             verdicts[node_id] = before
         else:
             verdicts[node_id] = judge_one(now, live, settings)

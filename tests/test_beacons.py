@@ -139,6 +139,7 @@ def test_judge_with_previous_verdicts_agrees_with_a_full_judgement() -> None:
     assert {n: (v.state, v.reason) for n, v in full.items()} == {n: (v.state, v.reason) for n, v in fast.items()}
     reused = [n for n in fast if fast[n] is previous[n]]
     assert reused and all(fast[n].state is State.ALIVE for n in reused)
+    assert {fast[n].reason for n in reused} == {"heartbeating", "in grace"}, "a storm's nodes in grace reused too"
 
 
 def _hb(node: str, beaconing: bool = True) -> coordinator_pb2.HeartbeatRequest:
