@@ -7,8 +7,10 @@ gone or invalid is what these tests check."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,16 @@ def _state(mesh: Any, source: dict[str, torch.Tensor]) -> dict[str, Any]:
             "epoch": 3}
 
 
+def _leave() -> None:
+    """Ends a spawned rank whose work is done and written: at the interpreter's exit C++ destructors
+    can still find a gloo thread joinable and abort ("terminate called without an active exception",
+    SIGABRT: seen in CI rehearsals even after the barrier and the teardown). ``os._exit`` skips them;
+    an exception never gets here, so spawn still reports it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _save(rank: int, port: int, root: str, world: int = OLD) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -119,6 +131,7 @@ def _save(rank: int, port: int, root: str, world: int = OLD) -> None:
         dist.barrier()  # as in _restore: no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 class Agent:
@@ -179,6 +192,7 @@ def _restore(rank: int, port: int, roots: list[str], record_json: str, out: str,
         dist.barrier()  # no rank tears gloo down while another still talks to it (a SIGABRT at exit on a busy box)
     finally:
         dist.destroy_process_group()
+    _leave()
 
 
 def record_of(root: Path, world: int = OLD) -> CheckpointRecord:
