@@ -271,7 +271,9 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         c1 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
         # Before the simulated agents stop (then all would die); from whichever replica leads now: an
         # overloaded leader may have lost its lease in the window (the figures then say so).
-        events, leading = _events_of_leader(replicas, leader, operator)
+        _wait(lambda: _leader(replicas) is not None, 30, "a leader at the window's end")
+        leading = _leader(replicas) or leader
+        events = _events(leading.address, operator)
         restore = _restore_latency(leading.address, operator) if args.memory_every_step else {}
         if leading is not leader:
             restore["leader_lost_in_window"] = f"{leader.rid} -> {leading.rid}"
@@ -373,20 +375,6 @@ def compare_to_baselines(old: dict[str, Any], new: dict[str, Any], baselines: li
             "rpc_us_per_agent_s": a, "ratio": round(b / a, 3) if a else None,
             "bound": "le" if r["saturated"] else "eq"}
     return out
-
-
-def _events_of_leader(replicas: list[_Replica], leader: _Replica,
-                      tls: IdentityFiles | None) -> tuple[list[Any], _Replica]:
-    """The event log from ``leader``, or from the first other replica that answers as leader."""
-    last: grpc.RpcError | None = None
-    for rep in [leader, *(r for r in replicas if r is not leader)]:
-        if rep.proc.poll() is not None:
-            continue
-        try:
-            return _events(rep.address, tls), rep
-        except grpc.RpcError as exc:
-            last = exc
-    raise RuntimeError(f"no replica answered as leader: {rpc.describe(last) if last else 'none alive'}")
 
 
 def _events(address: str, tls: IdentityFiles | None) -> list[Any]:

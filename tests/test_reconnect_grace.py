@@ -57,8 +57,8 @@ def _takeover_scenario(arrivals: dict[str, float], never: str, ticks: int,
         elected, fenced_at = clock.now, None
         for _ in range(ticks):
             t = clock.now - elected
-            back = tuple(n for n, at in arrivals.items()
-                         if t >= at and not gaps.get(n, (0.0, 0.0))[0] <= t < gaps.get(n, (0.0, 0.0))[1])
+            silent = {n for n, (lo, hi) in gaps.items() if lo <= t < hi}
+            back = tuple(n for n, at in arrivals.items() if t >= at and n not in silent)
             await step(new, clock, back)
             if fenced_at is None and store.nodes[never].fence is not None:
                 fenced_at = clock.now - elected
