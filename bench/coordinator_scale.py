@@ -43,6 +43,7 @@ its revision and DB size from its /metrics.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -77,8 +78,25 @@ class _Replica:
         self.metrics: str = info["metrics"]
 
 
+def _pin(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads started later inherit it)."""
+    if cpus:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), cpus)
+
+
+def _cpus(spec: str) -> set[int]:
+    """'0' or '0,1' or '0-3' as a CPU set."""
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def _start_replicas(r: int, etcd: EtcdCluster, work: Path, tag: str, tls_args: list[str],
-                    config: Path) -> list[_Replica]:
+                    config: Path, cpus: set[int] | None = None) -> list[_Replica]:
     replicas = []
     for i in range(r):
         rid = f"c{i}"
@@ -87,6 +105,7 @@ def _start_replicas(r: int, etcd: EtcdCluster, work: Path, tag: str, tls_args: l
                        "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file", str(ready),
                        "--log-level", os.environ.get("BENCH_LOG_LEVEL", "WARNING"), "--replica-id", rid,
                        "--config", str(config), *tls_args], log)
+        _pin(proc.pid, cpus)
         replicas.append(_Replica(rid, proc, _wait_file(ready, proc, time.monotonic() + 30, log)))
         if i == 0:  # the first replica leads: wait for it before the standbys start
             _wait(lambda: scrape(replicas[0].metrics).get("ftd_coordinator_is_leader") == 1.0, 30, "a leader")
@@ -243,7 +262,7 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
     operator = IdentityFiles(pki_dir, "operator", DEFAULT_OPERATOR) if pki_dir is not None else None
     replicas: list[_Replica] = []
     try:
-        replicas = _start_replicas(args.replicas, etcd, work, tag, tls_args, config)
+        replicas = _start_replicas(args.replicas, etcd, work, tag, tls_args, config, args.coordinator_cpus)
         leader = replicas[0]
         spares = set(ids[:: 100])
         candidates = [i for i in ids if i not in spares]
@@ -418,8 +437,17 @@ def main() -> None:
     ap.add_argument("--kill-leader", action="store_true", help="SIGKILL the leader after the window (--replicas >= 2)")
     ap.add_argument("--cold-standbys", action="store_true",
                     help="agents connect to a standby only when they move to it (before: no warm connections)")
+    ap.add_argument("--coordinator-cpus", type=_cpus, default=None,
+                    help="CPUs of their own for the coordinator replicas, e.g. 0 (as deploy/ gives the coordinator "
+                         "its own CPU); etcd, the simulator and the bench get the others")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.coordinator_cpus:
+        rest = os.sched_getaffinity(0) - args.coordinator_cpus
+        if not rest or not args.coordinator_cpus <= os.sched_getaffinity(0):
+            ap.error(f"--coordinator-cpus {sorted(args.coordinator_cpus)}: must be some, not all, of "
+                     f"{sorted(os.sched_getaffinity(0))}")
+        os.sched_setaffinity(0, rest)  # etcd and the simulating workers start from here and inherit it
     if args.kill_leader and args.replicas < 2:
         ap.error("--kill-leader needs --replicas 2 or more")
     paths_run = [p for p in (args.paths or ("rpc,beacons" if args.memory_every_step else "beacons")).split(",") if p]

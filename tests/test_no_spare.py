@@ -22,7 +22,7 @@ from job_records import records
 from ftd.ftctl import drill, localcluster
 from ftd.ftctl.json_shapes import status_dict
 from ftd.ftctl.render import status as render_status
-from ftd.waiting import wait_for
+from ftd.waiting import Timeout, wait_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +145,13 @@ def test_no_spare_and_wait_waits_saying_why_until_a_spare_comes(make_run: Any) -
         spare = {(r["node"], r["rank"]) for r in starts if r["node"] == "node-2"}
         return starts if spare == {("node-2", 2), ("node-2", 3)} and len(starts) >= 4 else None
 
-    starts = wait_for(resumed, 240, "the job to resume with the spare, every rank restored")
+    try:
+        starts = wait_for(resumed, 240, "the job to resume with the spare, every rank restored")
+    except Timeout:  # what each rank did and what the leader says, for a failure on a box whose files are gone
+        seen = [(r["node"], r["rank"], r["world"], r["restored_step"], r["restored_from"][:80])
+                for r in records(run.out) if r["event"] == "start"]
+        raise AssertionError(f"no resume with the spare within 240 s: starts {seen}; job: "
+                             f"{run.client.status().job_message!r}") from None
     assert len({s["restored_step"] for s in starts}) == 1 and len(starts) == 4, starts
     assert not run.client.status().job_message.startswith("waiting"), run.client.status().job_message
     assert_nothing_corrupt(run)
