@@ -392,8 +392,6 @@ def receive(host: str, port: int, transfer: bytes, key: bytes, files: Sequence[t
     finally:
         opened.put(None)  # the writer lands what was opened before any error (each file of it matched) and ends
         writer.join(timeout_s)
-        if errors:
-            stop.set()
         if writer.is_alive():  # stuck writing into the spool: nothing of this copy may be used
             stop.set()
             errors.append(BulkError(f"writing the copy into {dest} did not finish in {timeout_s:.0f} s"))
