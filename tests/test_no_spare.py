@@ -7,7 +7,9 @@ through the Checkpointer, a memory snapshot every step), ``ftctl drill`` killing
   nothing is recorded corrupt, nothing invalidated, no step at or before the restored one removed;
   the drill reports the step the new world restored.
 * ``on_no_spare = "wait"``: no round forms on the smaller world; ``ftctl status`` says why; a spare
-  that arrives later fills the rank and the job resumes as 4 ranks.
+  that arrives later fills the rank and the job resumes as 4 ranks from the step the catalog named
+  while it waited (in memory when the replicas kept up with the steps, else the durable step 0: a
+  rank keeps its two newest snapshots whether or not its buddy has them yet).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from job_records import records
+from job_records import records, restore_target_step
 
 from ftd.ftctl import drill, localcluster
 from ftd.ftctl.json_shapes import status_dict
@@ -136,12 +138,15 @@ def test_no_spare_and_wait_waits_saying_why_until_a_spare_comes(make_run: Any) -
     assert not [r for r in records(run.out) if r["event"] == "start" and r["world"] == 2]
     assert_nothing_corrupt(run)
 
-    # A spare arrives: it takes the lost rank, the job resumes as 4 ranks from memory.
+    # A spare arrives: it takes the lost rank, the job resumes as 4 ranks from the step the catalog names
+    # now (nothing trains while the job waits: the target stays).
+    target = restore_target_step(run.client, JOB)
+    assert target >= 0, "the durable step 0 at least"
     proc, _, _ = localcluster.spawn_agent(run.cluster, "node-2", "spare", extra_args=run.train.agent_args(2))
     localcluster.wait_agent(run.cluster, "node-2", proc, timeout_s=60.0)
     assert pids["node-0"] in {a.pid for a in run.cluster.agents}
     def resumed() -> list[dict[str, Any]] | None:  # every rank's start line written, not only the spare's
-        starts = [r for r in records(run.out) if r["event"] == "start" and r["world"] == 4 and r["restored_step"] >= 8]
+        starts = [r for r in records(run.out) if r["event"] == "start" and r["world"] == 4 and r["restored_step"] >= 0]
         spare = {(r["node"], r["rank"]) for r in starts if r["node"] == "node-2"}
         return starts if spare == {("node-2", 2), ("node-2", 3)} and len(starts) >= 4 else None
 
@@ -150,8 +155,10 @@ def test_no_spare_and_wait_waits_saying_why_until_a_spare_comes(make_run: Any) -
     except Timeout:  # what each rank did and what the leader says, for a failure on a box whose files are gone
         seen = [(r["node"], r["rank"], r["world"], r["restored_step"], r["restored_from"][:80])
                 for r in records(run.out) if r["event"] == "start"]
-        raise AssertionError(f"no resume with the spare within 240 s: starts {seen}; job: "
+        raise AssertionError(f"no resume with the spare within 240 s: starts {seen}; target {target}; job: "
                              f"{run.client.status().job_message!r}") from None
+    assert {s["restored_step"] for s in starts} == {target}, (target, starts)
+    print(f"\nno spare, wait: resumed as 4 ranks from step {target} ({starts[0]['restored_from']})")
     assert len({s["restored_step"] for s in starts}) == 1 and len(starts) == 4, starts
     assert not run.client.status().job_message.startswith("waiting"), run.client.status().job_message
     assert_nothing_corrupt(run)
