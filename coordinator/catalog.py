@@ -91,6 +91,9 @@ class CatalogKeeper:
         # (a lambda: the controller sets self.held later)
         self.merges = MergeCache(state, self.memory, clock, lambda j, e, r: self.held(j, e, r))  # noqa: PLW0108
         self._targets: dict[tuple[object, ...], checkpoint_pb2.RestoreTarget] = {}
+        # the choice behind an answer, without whose reports are late: after a failover's deadline the late
+        # set shrinks with every node that re-opens its stream, and only the answer's reason changes then
+        self._choices: dict[tuple[object, ...], tuple[rules.CheckpointRecord | None, str]] = {}
         self.clock, self.memory_in_etcd = clock, False  # True: memory RPCs go to etcd as before issue 19 (bench)
         self.limiter = limiter or rate_limits.WriteLimiter()
         self._series: set[str] = set()  # jobs whose gauges are published
@@ -506,20 +509,26 @@ class CatalogKeeper:
         records = self.merged(job)
         state = view.jobs.get(job)
         gone = self.memory.gone(view, self.clock())
-        key = (job, world_size, replicated, fmt, self.merges.key_of(job), gone,
-               len(view.nodes), ready.late, view.rollbacks.get(job), state.skip_until if state is not None else -1)
+        chosen = (job, world_size, replicated, fmt, self.merges.key_of(job), gone,
+                  len(view.nodes), view.rollbacks.get(job), state.skip_until if state is not None else -1)
+        key = (*chosen, ready.late)
         answer = self._targets.get(key)
         if answer is None:
-            answer = self._restore_target(view, records, job, world_size, replicated, fmt, ready)
+            choice = self._choices.get(chosen)
+            if choice is None:  # 16,000 ranks: tens of ms on the event loop
+                choice = rules.restore_target(records, view.rollbacks.get(job), world_size,
+                                              _unreachable(view, records), replicated, fmt)
+                if len(self._choices) >= 64:
+                    self._choices.clear()
+                self._choices[chosen] = choice
+            answer = self._answer(view, job, world_size, *choice, ready)
             if len(self._targets) >= 64:
                 self._targets.clear()
             self._targets[key] = answer
         return answer
 
-    def _restore_target(self, view: ClusterView, records: Sequence[rules.CheckpointRecord], job: str, world_size: int,
-                        replicated: bool, fmt: str, ready: ledger.Readiness) -> checkpoint_pb2.RestoreTarget:
-        target, why = rules.restore_target(records, view.rollbacks.get(job), world_size, _unreachable(view, records),
-                                           replicated, fmt)
+    def _answer(self, view: ClusterView, job: str, world_size: int, target: rules.CheckpointRecord | None, why: str,
+                ready: ledger.Readiness) -> checkpoint_pb2.RestoreTarget:
         why += ledger.late_reason(ready.late, self.memory_deadline_s)
         if target is None:
             return checkpoint_pb2.RestoreTarget(found=False, reason=why)

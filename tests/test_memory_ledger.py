@@ -292,6 +292,39 @@ def test_a_new_leader_never_answers_an_older_step_because_a_report_is_missing() 
     run(go)
 
 
+def test_a_late_node_coming_back_changes_the_answers_reason_without_choosing_the_target_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failover's deadline the late set shrinks with every node that comes back; while the merged
+    records stay the same, only the answer's reason changes (16,000 ranks: no new choice per poll)."""
+    async def go() -> None:
+        clock = Clock()
+        ctl = make(MemoryStore(), clock)
+        await cluster(ctl, clock)  # a, b active, s a spare
+        for rank, node in ((0, "a"), (1, "b")):
+            await ctl.catalog.commit_shard(checkpoint_pb2.CommitShardRequest(
+                manifest=manifest_proto(man(10, rank)), tier="ssd", location=node))
+        cat, view = ctl.catalog, ctl.committer.require_leader()
+        cat.memory.new_term(clock(), view.nodes)
+        for rt in view.runtime.values():
+            rt.last_heartbeat = None
+        cat.take_report("a", "i1", report(snap(12, 0)))
+        clock.advance(cat.memory_deadline_s + 0.1)
+        choices: list[str] = []
+        choose = rules.restore_target
+        monkeypatch.setattr(rules, "restore_target", lambda *a, **k: choices.append(a[0]) or choose(*a, **k))
+        first = cat.restore_target(JOB)
+        assert first.checkpoint.step == 10 and "node(s) b, s are not counted" in first.reason, first.reason
+        view.runtime["s"].last_heartbeat = clock()  # the spare is back (no report): only the late set changed
+        second = cat.restore_target(JOB)
+        assert "node(s) b are not counted" in second.reason and second.checkpoint == first.checkpoint
+        assert len(choices) == 1, "the same records: the same choice"
+        cat.take_report("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
+        third = cat.restore_target(JOB)
+        assert third.checkpoint.step == 12 and "not counted" not in third.reason and len(choices) == 2
+
+    run(go)
+
+
 def test_a_dead_nodes_memory_copies_do_not_count_but_its_shards_stay_defined() -> None:
     async def go() -> None:
         clock = Clock()
