@@ -257,23 +257,34 @@ def test_the_restore_target_of_16000_ranks_is_built_in_well_under_a_second() -> 
 # ---- the catalog's answers on a leader (the controller harness) ------------------------------------------------
 
 
+async def durable_step_10() -> tuple[Any, Clock]:
+    """A leader (a, b active, s a spare) whose catalog holds step 10 on the two nodes' SSDs."""
+    clock = Clock()
+    ctl = make(MemoryStore(), clock)
+    await cluster(ctl, clock)
+    for rank, node in ((0, "a"), (1, "b")):
+        await ctl.catalog.commit_shard(checkpoint_pb2.CommitShardRequest(
+            manifest=manifest_proto(man(10, rank)), tier="ssd", location=node))
+    return ctl, clock
+
+
+def new_term(ctl: Any, clock: Clock) -> None:
+    """A new term (as a standby taking over): nothing is known until the agents re-announce."""
+    view = ctl.committer.require_leader()
+    ctl.catalog.memory.new_term(clock(), view.nodes)
+    for rt in view.runtime.values():
+        rt.last_heartbeat = None
+
+
 def test_a_new_leader_never_answers_an_older_step_because_a_report_is_missing() -> None:
     async def go() -> None:
-        clock = Clock()
-        ctl = make(MemoryStore(), clock)
-        await cluster(ctl, clock)  # a, b active, s a spare
-        for rank, node in ((0, "a"), (1, "b")):
-            await ctl.catalog.commit_shard(checkpoint_pb2.CommitShardRequest(
-                manifest=manifest_proto(man(10, rank)), tier="ssd", location=node))
+        ctl, clock = await durable_step_10()
         cat = ctl.catalog
         cat.take_report("a", "i1", report(snap(12, 0), snap(12, 1, owner="b")))
         cat.take_report("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
         first = cat.restore_target(JOB)
         assert first.checkpoint.step == 12 and first.checkpoint.on_tier["mem"]
-        # a new term (as a standby taking over): nothing is known until the agents re-announce
-        cat.memory.new_term(clock(), ctl.committer.require_leader().nodes)
-        for rt in ctl.committer.require_leader().runtime.values():
-            rt.last_heartbeat = None
+        new_term(ctl, clock)
         with pytest.raises(errors.ReportsPending, match=r"3 node\(s\).*a, b, s"):
             cat.restore_target(JOB)
         cat.take_report("a", "i1", report(snap(12, 0)))  # a's replica of b went (say)
@@ -297,16 +308,9 @@ def test_a_late_node_coming_back_changes_the_answers_reason_without_choosing_the
     """After a failover's deadline the late set shrinks with every node that comes back; while the merged
     records stay the same, only the answer's reason changes (16,000 ranks: no new choice per poll)."""
     async def go() -> None:
-        clock = Clock()
-        ctl = make(MemoryStore(), clock)
-        await cluster(ctl, clock)  # a, b active, s a spare
-        for rank, node in ((0, "a"), (1, "b")):
-            await ctl.catalog.commit_shard(checkpoint_pb2.CommitShardRequest(
-                manifest=manifest_proto(man(10, rank)), tier="ssd", location=node))
+        ctl, clock = await durable_step_10()
         cat, view = ctl.catalog, ctl.committer.require_leader()
-        cat.memory.new_term(clock(), view.nodes)
-        for rt in view.runtime.values():
-            rt.last_heartbeat = None
+        new_term(ctl, clock)
         cat.take_report("a", "i1", report(snap(12, 0)))
         clock.advance(cat.memory_deadline_s + 0.1)
         choices: list[str] = []
