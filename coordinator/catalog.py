@@ -29,9 +29,9 @@ from ftd.checkpoints.layout import (
     check_step,
 )
 from ftd.identity import Identity
-from ftd.v1 import checkpoint_pb2, cluster_pb2, coordinator_pb2
+from ftd.v1 import checkpoint_pb2, coordinator_pb2
 
-from . import errors, paging, rate_limits, shard_rules, validation
+from . import errors, paging, rate_limits, restore_floors, shard_rules, validation
 from . import memory_ledger as ledger
 from . import rendezvous as rules_job
 from .leader_state import LeaderState
@@ -85,6 +85,7 @@ class CatalogKeeper:
         # Memory snapshots: soft state of the leader (memory_ledger.py), merged in when records are read.
         self.memory = ledger.MemoryLedger()
         self.memory_deadline_s = memory_deadline_s
+        self.floors = restore_floors.FloorKeeper(state)  # the newest step answered, in etcd (restore_floors.py)
         self.address = ""  # this replica's address: where a refused restore target is retried (ReportsPending)
         # Merged records (merge_cache.py) and restore targets are cached until the ledger, the durable
         # records or the nodes' states change: after a failure every rank asks for the same target at once.
@@ -525,6 +526,10 @@ class CatalogKeeper:
             if len(self._targets) >= 64:
                 self._targets.clear()
             self._targets[key] = answer
+        if self.memory.mirrored:  # a ledger followed from the last leader: never older than its answers
+            answer = self.floors.check(view, job, answer, self.clock(), self.memory.since, self.memory_deadline_s, [
+                n for n in (state.members if state is not None and state.members else view.nodes)
+                if n in self.memory.mirrored and n not in gone])
         return answer
 
     def _answer(self, view: ClusterView, job: str, world_size: int, target: rules.CheckpointRecord | None, why: str,
@@ -559,6 +564,7 @@ class CatalogKeeper:
             if job in view.rollbacks:
                 await self._save("checkpoint", {}, [rules.rollback_key(job)], None, [])
                 view.rollbacks.pop(job, None)
+            await self.floors.forget(job)
             self.publish_gauges()
             log.warning("job %s: %d checkpoints forgotten (%s)", job, len(records), reason)
             return checkpoint_pb2.ForgetJobResponse(removed_steps=[r.step for r in records])
@@ -589,7 +595,6 @@ def _writer(caller: Identity | None) -> str:
 def _unreachable(view: ClusterView, records: Sequence[rules.CheckpointRecord]) -> set[str]:
     """Locations of the records' copies that cannot be read now: nodes dead, fenced or unknown (a
     node's memory tier dies with it; its disks wait for it to come back)."""
-    gone = (cluster_pb2.NODE_STATE_DEAD, cluster_pb2.NODE_STATE_FENCED)
     locations = {c.location for r in records for s in r.shards.values() for c in s.copies}
     return {loc for loc in locations - set(validation.SHARED_LOCATIONS)
-            if loc not in view.nodes or view.state_of(loc)[0] in gone}
+            if loc not in view.nodes or view.state_of(loc)[0] in ledger.GONE}

@@ -39,6 +39,7 @@ from .goodput_watch import GoodputWatch, goodput_proto
 from .guard_metrics import guard_metrics
 from .jobs import JobKeeper, JobPolicy
 from .membership import Membership
+from .memory_mirror import MirrorFeed, MirrorFollower
 from .metrics import CoordinatorMetrics
 from .revocations import AccessKeeper
 from .rollbacks import RollbackKeeper
@@ -53,6 +54,7 @@ STANDBY_POLL_S = 0.2  # how often a standby (or a leader that could not confirm 
 ALARM_POLL_S = 5.0  # how often every replica reads etcd's alarms
 MIN_KEEP_ALIVE_WAIT_S = 0.25  # the least a keep-alive is waited for, even past the trusted part of the lease
 MAX_PROBLEM_EVENTS = 20  # corrupt records named one by one in the event log at election
+MIRROR_SLACK_S = 1.0  # beyond the lease's TTL: a followed memory ledger this fresh at an election is kept
 
 
 class Controller:
@@ -86,9 +88,12 @@ class Controller:
         self.catalog = CatalogKeeper(self.committer, self.metrics, wall, self.limiter, settings.commit_step_slack,
                                      settings.unmanaged_jobs, settings.memory_report_deadline_s, clock)
         self.catalog.buddy_of = self.membership.buddy_of
-        self.catalog.address = address
+        self.catalog.address = self.catalog.floors.address = address
         self.catalog.memory_in_etcd = settings.memory_snapshots_in_etcd
-        self.membership.on_memory = self.catalog.take_report  # memory snapshots: soft state (memory_ledger.py)
+        self.membership.on_memory = self._take_memory  # memory snapshots: soft state (memory_ledger.py)
+        self.mirror_feed = MirrorFeed(self.replica_id, lambda node: node in self.catalog.memory.reports, wall=wall)
+        self.mirror = MirrorFollower(self.replica_id, self.catalog.memory, self.mirror_feed, settings.identity, clock,
+                                     self.metrics.mirrored)
         self.membership.memory_holders = self.catalog.memory.holders
         self.drains = DrainKeeper(self.committer, push_all=self.membership.push_all, wake=self.wake, wall=wall)
         self.access = AccessKeeper(self.committer, wall)  # the deny list and the operator's admissions
@@ -150,7 +155,17 @@ class Controller:
             return
         state.suspended = False
         self.membership.new_term()
-        self.catalog.memory.new_term(self.clock(), state.view.nodes)  # the agents re-announce their memory snapshots
+        # The agents re-announce their memory snapshots; until then the ledger followed from the last
+        # leader stands in for them if it is fresh (memory_mirror.py).
+        now = self.clock()
+        keep = self.mirror.usable(now, self.settings.leader_ttl_s + MIRROR_SLACK_S)
+        if keep:
+            log.info("memory ledger: %d nodes' reports followed from leader %s (heard %.1fs ago) kept until each "
+                     "node reports here", len(self.catalog.memory.reports), self.mirror.source,
+                     now - self.mirror.heard_at)
+        self.mirror.forget()
+        self.catalog.memory.new_term(now, state.view.nodes, keep)
+        self.mirror_feed.reset(keep)
         self.stragglers.new_term()
         self.rollbacks.new_term()
         self.fingerprints.new_term()
@@ -181,6 +196,7 @@ class Controller:
         self.metrics.recovery_open.set(0)
         set_identity(role="standby")
         self.membership.close_streams(errors.NotLeader(self.replica_id, "", f"stepped down ({reason})"))
+        self.mirror_feed.close()
 
     async def _suspend(self, reason: str) -> None:
         log.warning("suspending leadership: %s", reason)
@@ -189,6 +205,7 @@ class Controller:
         self.metrics.recovery_open.set(0)
         self.membership.close_streams(
             errors.NotLeader(self.replica_id, "", "cannot confirm its leadership (etcd unreachable)"))
+        self.mirror_feed.close()
 
     async def _standby_step(self) -> None:
         state = self.committer
@@ -239,6 +256,42 @@ class Controller:
             log.info("leadership confirmed again; reloading state from etcd")
             await self._become_leader(state.lease)
         return True
+
+    def _take_memory(self, node: str, incarnation: str, report: coordinator_pb2.MemoryReport) -> None:
+        """A node's memory report: into the ledger, and as taken to the standbys following it."""
+        self.catalog.take_report(node, incarnation, report)
+        kept = self.catalog.memory.taken_as(node, incarnation, report)
+        if kept is not None:
+            self.mirror_feed.add(node, incarnation, kept)
+
+    def _follow_target(self) -> tuple[str, str] | None:
+        """The leader a standby follows the memory ledger of (none while this replica holds the lease)."""
+        leader = self.committer.known_leader
+        if self.committer.lease is not None or leader is None or leader.replica_id == self.replica_id:
+            return None
+        return leader.replica_id, leader.address
+
+    async def _follow_loop(self) -> None:
+        """A standby follows the leader's memory ledger (memory_mirror.py), again after every end."""
+        task: asyncio.Task[None] | None = None
+        following: tuple[str, str] | None = None
+        try:
+            while not self._stopping.is_set():
+                want = self._follow_target()
+                if want != following or (task is not None and task.done()):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
+                    task = asyncio.create_task(self.mirror.follow(*want)) if want is not None else None
+                    following = want
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), STANDBY_POLL_S)
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _leadership_loop(self) -> None:
         while not self._stopping.is_set():
@@ -345,7 +398,7 @@ class Controller:
         set_identity(replica=self.replica_id, role="standby")
         self.metrics.is_leader.set(0)
         self.metrics.recovery_open.set(0)
-        await asyncio.gather(self._leadership_loop(), self._tick_loop())
+        await asyncio.gather(self._leadership_loop(), self._tick_loop(), self._follow_loop())
 
     async def stop(self) -> None:
         """Graceful stop: resign so a standby takes over at once instead of after the lease TTL."""
@@ -353,6 +406,7 @@ class Controller:
         lease = self.committer.lease
         self.committer.lease, self.committer.view = None, None
         self.membership.close_streams(errors.NotLeader(self.replica_id, "", "is shutting down"))
+        self.mirror_feed.close()
         if lease is not None:
             try:
                 await self.calls.lease("resign", self.store.resign, lease)

@@ -238,6 +238,7 @@ class MemoryLedger:
     settled: int = 0  # bumped on every change but a report replacing a node's earlier one (see merge_due)
     refused: int = 0  # snapshots not taken (cheap checks), this term
     ready: set[str] = field(default_factory=set)  # jobs every known node of whose world has reported, this term
+    mirrored: set[str] = field(default_factory=set)  # nodes whose report came from the last leader (memory_mirror.py)
     _gone: tuple[float, int, frozenset[str]] = (-1e18, 0, frozenset())  # (when, id(view), dead or fenced nodes)
     _index: dict[str, list[Snap]] = field(default_factory=dict)
     _holders: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (job, rank) -> reporting nodes
@@ -246,12 +247,15 @@ class MemoryLedger:
     _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
     manifests: ManifestCache = field(default_factory=ManifestCache)  # kept across terms: a function of bytes
 
-    def new_term(self, now: float, nodes: Iterable[str] = ()) -> None:
+    def new_term(self, now: float, nodes: Iterable[str] = (), keep: bool = False) -> None:
         """A new leadership: nothing is known until the agents re-announce. ``nodes``: those registered
-        at the election (a node first registered later reported to no earlier leader)."""
-        self.reports.clear()
-        self._holders.clear()
-        self._held.clear()
+        at the election (a node first registered later reported to no earlier leader). ``keep``: the
+        reports followed from the last leader (memory_mirror.py) are kept, as :attr:`mirrored` until
+        each node reports here itself."""
+        if keep:
+            self.mirrored = set(self.reports)
+        else:
+            self.clear_reports()
         self.singles.clear()
         self.rounds.clear()
         self.invalid.clear()
@@ -259,6 +263,15 @@ class MemoryLedger:
         self.since, self.refused, self.known = now, 0, frozenset(nodes)
         self.ready.clear()
         self._gone = (-1e18, 0, frozenset())
+        self.changed()
+
+    def clear_reports(self) -> None:
+        """Forgets every node's report (a new term without a mirror; a mirror's full resend)."""
+        self.reports.clear()
+        self._holders.clear()
+        self._held.clear()
+        self.mirrored.clear()
+        self.rounds.clear()
         self.changed()
 
     def see_round(self, job: JobState) -> None:
@@ -299,8 +312,22 @@ class MemoryLedger:
                 parsed[raw] = snap
         self._rehold(node, taken)
         self.reports[node] = _Report(incarnation, report.version, tuple(taken), parsed)
+        self.mirrored.discard(node)
         self.generation += 1
         return len(taken)
+
+    def taken_as(self, node: str, incarnation: str, report: coordinator_pb2.MemoryReport
+                 ) -> coordinator_pb2.MemoryReport | None:
+        """``report`` as :meth:`take` just kept it (the snapshots it refused left out), or None if it
+        kept another (an older report arriving late): what the mirror forwards, so that a follower
+        parsing it takes exactly what this leader took."""
+        kept = self.reports.get(node)
+        if kept is None or kept.incarnation != incarnation or kept.version != report.version:
+            return None
+        if len(kept.snaps) == len(report.snapshots):
+            return report
+        return coordinator_pb2.MemoryReport(version=report.version, snapshots=[
+            m for m in report.snapshots if m.SerializeToString(deterministic=True) in kept.parsed])
 
     def add(self, snap: Snap) -> None:
         """One snapshot recorded by RPC (compatibility): the node keeps at most MEM_KEEP per rank."""
@@ -331,6 +358,7 @@ class MemoryLedger:
     def forget_node(self, node: str) -> None:
         """A node no longer alive: its memory tier is gone with it (or fenced off)."""
         report, single = self.reports.pop(node, None), self.singles.pop(node, None)
+        self.mirrored.discard(node)
         if report is not None:
             self._rehold(node, ())
         if report is not None or single is not None:

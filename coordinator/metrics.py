@@ -47,6 +47,12 @@ class CoordinatorMetrics:
         self.heartbeat_answers = Counter("ftd_coordinator_heartbeat_answers_total",
                                          "Answers written on heartbeat streams (each costs about a message)",
                                          registry=r)
+        self.mirror_reports = Counter("ftd_coordinator_memory_mirror_reports_total",
+                                      "Memory reports a standby followed from the leader's ledger (memory_mirror.py)",
+                                      registry=r)
+        self.mirror_as_of = Gauge("ftd_coordinator_memory_mirror_as_of_unix_seconds",
+                                  "A standby's followed memory ledger holds every report the leader took before "
+                                  "this time (the leader's clock): now minus it is the mirror's lag", registry=r)
         self.heartbeat_streams = Gauge("ftd_coordinator_heartbeat_streams",
                                        "Open heartbeat streams", registry=r)
         self.beacons_accepted = Counter("ftd_coordinator_beacons_accepted_total",
@@ -131,3 +137,8 @@ class CoordinatorMetrics:
             "leader held for mass_silence_hold_s (its own overload or isolation is the likelier cause)", registry=r)
         self.stalls = Counter("ftd_coordinator_detector_stalls_total",
                               "Detector runs skipped because the coordinator itself was stalled", registry=r)
+
+    def mirrored(self, msg: Any) -> None:
+        """A standby applied a message of the leader's memory ledger (a ``MemoryMirror``)."""
+        self.mirror_reports.inc(len(msg.reports))
+        self.mirror_as_of.set(msg.as_of_unix_s)

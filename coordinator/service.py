@@ -98,8 +98,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                                context: aio.ServicerContext[Any, Any]) -> checkpoint_pb2.RestoreTarget:
         async def target() -> checkpoint_pb2.RestoreTarget:
             await self.ctl.catalog.prepare(request.job)
-            return self.ctl.catalog.restore_target(request.job, request.world_size, request.replicated,
-                                                   request.format)
+            answer = self.ctl.catalog.restore_target(request.job, request.world_size, request.replicated,
+                                                     request.format)
+            await self.ctl.catalog.floors.pin(request.job, answer)  # in etcd before it is given (restore_floors.py)
+            return answer
         return await self._unary(context, target)
 
     async def Rollback(self, request: checkpoint_pb2.RollbackRequest,
@@ -195,6 +197,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.ctl.membership.close_stream(stream)
         if stream.close_error is not None:
             await _abort(context, stream.close_error)
+
+    async def FollowMemory(
+        self, request: coordinator_pb2.FollowMemoryRequest, context: aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[coordinator_pb2.MemoryMirror]:
+        """A standby follows this leader's memory ledger (memory_mirror.py); the authorization table lets
+        only coordinator replicas' certificates call it."""
+        if not self.ctl.is_leader:
+            await _abort(context, errors.NotLeader(self.ctl.replica_id, self.ctl.leader_address()))
+        async for msg in self.ctl.mirror_feed.follow(request.replica_id[:200]):
+            yield msg
 
     async def _read(self, stream: Stream, context: aio.ServicerContext[Any, Any]) -> None:
         try:

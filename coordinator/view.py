@@ -14,7 +14,7 @@ from typing import Any
 from ftd.checkpoints import catalog as ckpt
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
-from . import handover_rules, paging, rendezvous, validation
+from . import handover_rules, paging, rendezvous, restore_floors, validation
 from .detector import Liveness, State, Verdict
 from .model import NodeRecord, Role, World
 from .store import Snapshot
@@ -103,6 +103,7 @@ class ClusterView:
     drains: dict[str, handover_rules.Drain] = field(default_factory=dict)  # pending planned hand-overs
     goodput: dict[str, bytes] = field(default_factory=dict)  # job -> its persisted ledger (coordinator/goodput.py)
     access: dict[str, bytes] = field(default_factory=dict)  # deny list and admissions (coordinator/revocations.py)
+    floors: dict[str, restore_floors.Floor] = field(default_factory=dict)  # job -> its restore floor
     _rank: dict[str, int] = field(default_factory=dict)
     # (jobs, their version, the ranks, the job): current_job() as last computed
     _current: tuple[object, int, object, rendezvous.JobState | None] = (None, -1, None, None)
@@ -117,7 +118,8 @@ class ClusterView:
             view.liveness[node_id] = Liveness(last_seen=now, grace_until=now + grace_s)
             view.runtime[node_id] = Runtime(incarnation=node.incarnation)
         view.catalog, view.rollbacks, catalog_problems = ckpt.decode_all(snap.kv)
-        view.problems = [*snap.problems, *catalog_problems]
+        view.floors, floor_problems = restore_floors.load(snap.kv)
+        view.problems = [*snap.problems, *catalog_problems, *floor_problems]
         for key, raw in snap.kv.items():
             if key.startswith("jobs/"):
                 try:

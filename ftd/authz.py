@@ -38,11 +38,12 @@ OPERATOR_ONLY = Rule("operator_only", "only operators close jobs, roll back, inv
                                        "certificates and admit nodes")
 LOCAL_ONLY = Rule("local_only", "only the training process on this node, over the agent's Unix socket")
 AGENT_PEERS = Rule("agent_peers", "only the cluster's agents stream checkpoint shards to each other")
+REPLICAS_ONLY = Rule("replicas_only", "only the cluster's coordinator replicas follow the leader's memory ledger")
 REVOKED = Rule("revoked", "a revoked identity or certificate (ftctl certs revoke; the old one of a rotation) acts no "
                           "more, checked before the table")
 
 RULES: tuple[Rule, ...] = (UNKNOWN_METHOD, AUTHENTICATED, SAME_CLUSTER, READ, NODE_ONLY, NODE_SELF, JOB_MEMBER,
-                           ROUND_RANK0, OPERATOR_ONLY, LOCAL_ONLY, AGENT_PEERS, REVOKED)
+                           ROUND_RANK0, OPERATOR_ONLY, LOCAL_ONLY, AGENT_PEERS, REPLICAS_ONLY, REVOKED)
 
 # Kinds whose certificate speaks for one node: their ``self_field`` checks bind them to its name.
 NODE_KINDS = frozenset({"node", "rendezvous"})
@@ -127,6 +128,8 @@ TABLE: dict[str, Policy] = {
     _C + "Admit": Policy(_OPERATOR, OPERATOR_ONLY),
     # ... agents fetch the deny list to refuse revoked peers themselves
     _C + "GetDenyList": Policy(READERS, READ),
+    # a standby follows the leader's memory ledger (coordinator/memory_mirror.py)
+    _C + "FollowMemory": Policy(frozenset({"coordinator"}), REPLICAS_ONLY),
     # ---- the agent: its training process over the Unix socket, operators and peers over mTLS ----
     _A + "GetInfo": Policy(_AGENT_READERS, READ),
     _A + "ReportProgress": Policy(_LOCAL, LOCAL_ONLY),

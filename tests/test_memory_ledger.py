@@ -554,3 +554,4 @@ def test_the_leaders_garbage_collector_leaves_the_start_up_objects_alone_and_run
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     before, frozen, tuned = out.stdout.split()
     assert before == "0" and int(frozen) > 10_000 and tuned == "True"  # the imported modules' objects
+

@@ -27,6 +27,94 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class FollowMemoryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """the follower's replica id (its certificate says the same)"""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FollowMemoryRequest: _TypeAlias = FollowMemoryRequest  # noqa: Y015
+
+@_typing.final
+class MirroredReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    incarnation: _builtins.str
+    """the agent's, as on its heartbeat stream"""
+    @_builtins.property
+    def report(self) -> Global___MemoryReport:
+        """only the snapshots the leader took"""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        report: Global___MemoryReport | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "report", b"report"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MirroredReport: _TypeAlias = MirroredReport  # noqa: Y015
+
+@_typing.final
+class MemoryMirror(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEADER_REPLICA_ID_FIELD_NUMBER: _builtins.int
+    FULL_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
+    INTERVAL_S_FIELD_NUMBER: _builtins.int
+    AS_OF_UNIX_S_FIELD_NUMBER: _builtins.int
+    CONTINUES_FIELD_NUMBER: _builtins.int
+    leader_replica_id: _builtins.str
+    full: _builtins.bool
+    """every report the leader holds: the follower replaces its own"""
+    interval_s: _builtins.float
+    """the longest gap to the next message"""
+    as_of_unix_s: _builtins.float
+    """the leader's clock when built: every report it took before is in"""
+    continues: _builtins.bool
+    """more messages of the same full copy (or batch) follow at once"""
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___MirroredReport]: ...
+    def __init__(
+        self,
+        *,
+        leader_replica_id: _builtins.str = ...,
+        full: _builtins.bool = ...,
+        reports: _abc.Iterable[Global___MirroredReport] | None = ...,
+        interval_s: _builtins.float = ...,
+        as_of_unix_s: _builtins.float = ...,
+        continues: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of_unix_s", b"as_of_unix_s", "continues", b"continues", "full", b"full", "interval_s", b"interval_s", "leader_replica_id", b"leader_replica_id", "reports", b"reports"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryMirror: _TypeAlias = MemoryMirror  # noqa: Y015
+
+@_typing.final
 class RevokeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -145,6 +145,11 @@ class CoordinatorStub:
                 request_serializer=ftd_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
                 response_deserializer=ftd_dot_v1_dot_coordinator__pb2.AdmitResponse.FromString,
                 _registered_method=True)
+        self.FollowMemory = channel.unary_stream(
+                '/ftd.v1.Coordinator/FollowMemory',
+                request_serializer=ftd_dot_v1_dot_coordinator__pb2.FollowMemoryRequest.SerializeToString,
+                response_deserializer=ftd_dot_v1_dot_coordinator__pb2.MemoryMirror.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -310,6 +315,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FollowMemory(self, request, context):
+        """Coordinator replicas only: a standby follows the leader's memory ledger (the memory reports it
+        took, coalesced per node), so that after a failover it answers restore targets without waiting for
+        every agent to re-announce (coordinator/memory_mirror.py). The first message holds every report
+        (full); the next ones the reports changed since, at least one message per interval (an empty one
+        says the leader lives). UNAVAILABLE (naming the leader) from a replica that is not the leader.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -422,6 +438,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=ftd_dot_v1_dot_coordinator__pb2.AdmitRequest.FromString,
                     response_serializer=ftd_dot_v1_dot_coordinator__pb2.AdmitResponse.SerializeToString,
+            ),
+            'FollowMemory': grpc.unary_stream_rpc_method_handler(
+                    servicer.FollowMemory,
+                    request_deserializer=ftd_dot_v1_dot_coordinator__pb2.FollowMemoryRequest.FromString,
+                    response_serializer=ftd_dot_v1_dot_coordinator__pb2.MemoryMirror.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1018,6 +1039,33 @@ class Coordinator:
             '/ftd.v1.Coordinator/Admit',
             ftd_dot_v1_dot_coordinator__pb2.AdmitRequest.SerializeToString,
             ftd_dot_v1_dot_coordinator__pb2.AdmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FollowMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ftd.v1.Coordinator/FollowMemory',
+            ftd_dot_v1_dot_coordinator__pb2.FollowMemoryRequest.SerializeToString,
+            ftd_dot_v1_dot_coordinator__pb2.MemoryMirror.FromString,
             options,
             channel_credentials,
             insecure,

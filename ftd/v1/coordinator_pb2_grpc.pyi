@@ -96,6 +96,13 @@ class CoordinatorStub:
     """
     GetDenyList: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetDenyListRequest, _coordinator_pb2.DenyListResponse]
     Admit: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AdmitRequest, _coordinator_pb2.AdmitResponse]
+    FollowMemory: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.FollowMemoryRequest, _coordinator_pb2.MemoryMirror]
+    """Coordinator replicas only: a standby follows the leader's memory ledger (the memory reports it
+    took, coalesced per node), so that after a failover it answers restore targets without waiting for
+    every agent to re-announce (coordinator/memory_mirror.py). The first message holds every report
+    (full); the next ones the reports changed since, at least one message per interval (an empty one
+    says the leader lives). UNAVAILABLE (naming the leader) from a replica that is not the leader.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -159,6 +166,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     GetDenyList: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetDenyListRequest, _coordinator_pb2.DenyListResponse]  # type: ignore[assignment]
     Admit: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AdmitRequest, _coordinator_pb2.AdmitResponse]  # type: ignore[assignment]
+    FollowMemory: _aio.UnaryStreamMultiCallable[_coordinator_pb2.FollowMemoryRequest, _coordinator_pb2.MemoryMirror]  # type: ignore[assignment]
+    """Coordinator replicas only: a standby follows the leader's memory ledger (the memory reports it
+    took, coalesced per node), so that after a failover it answers restore targets without waiting for
+    every agent to re-announce (coordinator/memory_mirror.py). The first message holds every report
+    (full); the next ones the reports changed since, at least one message per interval (an empty one
+    says the leader lives). UNAVAILABLE (naming the leader) from a replica that is not the leader.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -351,5 +365,18 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.AdmitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.AdmitResponse, _abc.Awaitable[_coordinator_pb2.AdmitResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def FollowMemory(
+        self,
+        request: _coordinator_pb2.FollowMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.MemoryMirror], _abc.AsyncIterator[_coordinator_pb2.MemoryMirror]]:
+        """Coordinator replicas only: a standby follows the leader's memory ledger (the memory reports it
+        took, coalesced per node), so that after a failover it answers restore targets without waiting for
+        every agent to re-announce (coordinator/memory_mirror.py). The first message holds every report
+        (full); the next ones the reports changed since, at least one message per interval (an empty one
+        says the leader lives). UNAVAILABLE (naming the leader) from a replica that is not the leader.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
