@@ -172,6 +172,30 @@ def _restore_latency(address: str, tls: IdentityFiles | None, tries: int = 5) ->
 
 
 POLL_S = 0.2  # the failover's restore-target poll: the figures' resolution
+COMPLETE_BEFORE_S = 20.0  # how long the failover waits for a complete memory target to compare against
+
+
+def _complete_before(leader: _Replica, tls: IdentityFiles | None, restore: dict[str, Any]) -> dict[str, Any]:
+    """The step the failover must not go below: the leader's complete restore target (every rank in
+    memory). A death late in the window leaves a rank without its buddy's replica until the ring is
+    re-formed; this waits for that (at most :data:`COMPLETE_BEFORE_S`), so that the failover has a
+    complete target to serve again rather than none."""
+    out: dict[str, Any] = {"failover_restore_step_before": None, "failover_waited_for_before_s": 0.0}
+    if restore.get("restore_target_memory"):
+        out["failover_restore_step_before"] = restore.get("restore_target_step")
+        return out
+    start = time.monotonic()
+    while time.monotonic() - start < COMPLETE_BEFORE_S:
+        try:
+            target = _restore_target(leader.address, tls)
+        except grpc.RpcError:
+            target = None
+        if target is not None and _has_memory(target):
+            out["failover_restore_step_before"] = target.checkpoint.step
+            break
+        time.sleep(0.5)
+    out["failover_waited_for_before_s"] = _r(time.monotonic() - start)
+    return out
 
 
 def _kill_leader(replicas: list[_Replica], leader: _Replica, tls: IdentityFiles | None,
@@ -272,7 +296,7 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         start_at = time.time() + warmup
         kill_at = start_at + 5.0 + args.duration / 2
         window_end = start_at + 5.0 + args.duration
-        stop_at = window_end + (45.0 if args.kill_leader else 0.0)
+        stop_at = window_end + (45.0 + COMPLETE_BEFORE_S if args.kill_leader else 0.0)
         plan = Plan(endpoints=[r.address for r in replicas], hz=args.hz, path=path,
                     ranks_per_node=args.ranks_per_node, memory=args.memory_every_step, step_s=args.step_s, n=n,
                     start_at=start_at, kill_at=kill_at, stop_at=stop_at, victims=victims, spares=spares,
@@ -298,7 +322,9 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             restore["leader_lost_in_window"] = f"{leader.rid} -> {leading.rid}"
         failover: dict[str, Any] = {}
         if args.kill_leader and len(replicas) > 1:
-            failover = _kill_leader(replicas, leader, operator, restore.get("restore_target_step"))
+            before = _complete_before(leading, operator, restore)
+            failover = _kill_leader(replicas, leader, operator, before.pop("failover_restore_step_before"))
+            failover.update(before)
             new = next((r for r in replicas if r.rid == failover.get("failover_new_leader")), None)
             if new is not None:  # counted when the simulated agents are about to stop: deaths after the target too
                 time.sleep(max(0.0, stop_at - 2.0 - time.time()))
@@ -344,6 +370,8 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             "echoes_per_s": round(delta(m0, m1, "ftd_coordinator_beacon_echoes_total") / window, 1),
             "p50_detection_s": _r(percentile(latencies, 50)), "p99_detection_s": _r(percentile(latencies, 99)),
             "detected": len(latencies), "missed": len(missed), "false_positives": len(false_pos),
+            "missed_victims": sorted(f"{v} ({victims[v]}, {'died' if v in died else 'never stopped'}"
+                                     f"{', registered' if v in up else ', never answered'})" for v in missed),
             "etcd_writes_per_s": round(revisions / window, 2),
             "coordinator_etcd_writes_per_s": round(delta(m0, m1, "ftd_coordinator_etcd_writes_total") / window, 2),
             "etcd_db_growth_bytes": int(e1.get("etcd_mvcc_db_total_size_in_bytes", 0)

@@ -3,16 +3,20 @@ node frozen by SIGSTOP, and the restore of a node-local job on a spare."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterable
 
 from ftd.coordinator.buddies import Peer, choose_buddy
+from ftd.ftctl import isolated
 from ftd.waiting import wait_for
 
+from . import promql_check
 from .faults import signal_all, still_running
 from .invariants import Check
-from .scenario import Context, Outcome, Scenario, Shape
+from .scenario import Context, Outcome, Scenario, Shape, within
 
 RECOVER_S = 60.0
 
@@ -124,6 +128,43 @@ def spare_restore_node_local(ctx: Context) -> Outcome:
     return Outcome(b, frozenset({victim}), f"{victim} killed; restored from {sources}", checks)
 
 
+def _mirror_as_of(address: str) -> float:
+    """A standby's ``ftd_coordinator_memory_mirror_as_of_unix_seconds`` (0 when it cannot be read)."""
+    with contextlib.suppress(OSError):
+        return promql_check.gauge(promql_check.scrape(address, timeout_s=2.0),
+                                  "ftd_coordinator_memory_mirror_as_of_unix_seconds") or 0.0
+    return 0.0
+
+
+def leader_and_node_kill(ctx: Context) -> Outcome:
+    """The leading coordinator and an active node SIGKILLed together (one power cut): the standby,
+    which followed the leader's memory ledger, takes over; the node, silent since, is declared dead once
+    the failover grace ends (the followed report does not hide it) and the spare takes its rank; the live
+    node keeps its rank; the job resumes from memory, never older than the restore target before."""
+    b = ctx.baseline()  # asks the restore target: the leader pins it as the floor first
+    old = str(ctx.status().leader_id)
+    leader = next(c for c in ctx.cluster.coordinators if c.name == old)
+    standby = next(c for c in ctx.cluster.coordinators if c.name != old)
+    metrics = f"{ctx.host(standby.name).address}:{isolated.COORDINATOR_METRICS_PORT}"
+    now = time.time()
+    followed = within(lambda: _mirror_as_of(metrics) >= now, 10.0, f"{standby.name} following the memory ledger")
+    victim = b.world[-1]
+    signal_all([leader.pid, ctx.agent(victim).pid, *ctx.worker_pids(victim)], signal.SIGKILL)
+    checks = [Check("standby_followed_the_ledger", bool(followed),
+                    f"{standby.name} held every memory report {old} took before the kill" if followed else
+                    f"{standby.name}'s followed ledger did not reach the kill's time within 10s")]
+    checks.append(promoted(ctx, {victim}, b.spares))
+    ctx.wait_progress(10, RECOVER_S)
+    status = ctx.status()
+    checks.append(Check("standby_leads", status.leader_id == standby.name, f"{status.leader_id} leads"))
+    starts = ctx.starts_since(b.at_unix_s)
+    sources = sorted({str(r.get("restored_from", "")) for r in starts})
+    checks.append(Check("resumed_from_memory", bool(starts) and all("mem" in s for s in sources),
+                        f"{len(starts)} rank start(s) restored from {sources}"))
+    return Outcome(b, frozenset({victim}), f"leader {old} and {victim} killed together; {standby.name} took over",
+                   checks)
+
+
 SCENARIOS = [
     Scenario("agent-kill", "the agent alone SIGKILLed: node declared dead, spare promoted, orphans stop",
              agent_kill),
@@ -134,4 +175,7 @@ SCENARIOS = [
     Scenario("spare-restore-node-local", "no shared HDD, no S3, no memory tier: the spare restores the dead "
              "rank from a surviving node's SSD copy, never from step 0", spare_restore_node_local,
              Shape(memory_every=0, persist_every=5, agent_args=("--no-mem-tier",))),
+    Scenario("leader-and-node-kill", "the leading coordinator and an active node SIGKILLed together: the standby "
+             "that followed the memory ledger takes over, the node is declared dead, the job resumes from memory",
+             leader_and_node_kill, Shape(coordinators=2)),
 ]
