@@ -331,6 +331,8 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
                 after = [e for e in _events(new.address, operator)
                          if e.kind == "node_dead" and e.at_unix_s > window_end and e.node_id not in victims]
                 failover["failover_false_positives"] = len({e.node_id for e in after})
+                failover["failover_false_positive_examples"] = [
+                    f"+{e.at_unix_s - window_end:.1f}s {e.message}"[:200] for e in after[:3]]
         results = [queue.get(timeout=180) for _ in workers]
         for w in workers:
             w.join(timeout=30)
