@@ -173,6 +173,7 @@ def _restore_latency(address: str, tls: IdentityFiles | None, tries: int = 5) ->
 
 POLL_S = 0.2  # the failover's restore-target poll: the figures' resolution
 COMPLETE_BEFORE_S = 20.0  # how long the failover waits for a complete memory target to compare against
+FAILOVER_WATCH_S = 40.0  # a live node declared dead within this long after the kill is a false positive of it
 
 
 def _complete_before(leader: _Replica, tls: IdentityFiles | None, restore: dict[str, Any]) -> dict[str, Any]:
@@ -326,13 +327,14 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             failover = _kill_leader(replicas, leader, operator, before.pop("failover_restore_step_before"))
             failover.update(before)
             new = next((r for r in replicas if r.rid == failover.get("failover_new_leader")), None)
-            if new is not None:  # counted when the simulated agents are about to stop: deaths after the target too
-                time.sleep(max(0.0, stop_at - 2.0 - time.time()))
-                after = [e for e in _events(new.address, operator)
-                         if e.kind == "node_dead" and e.at_unix_s > window_end and e.node_id not in victims]
+            if new is not None:  # live nodes declared dead within FAILOVER_WATCH_S of the kill: the storm and after
+                killed = failover["failover_killed_at_unix_s"]
+                time.sleep(max(0.0, min(killed + FAILOVER_WATCH_S, stop_at - 2.0) - time.time()))
+                after = [e for e in _events(new.address, operator) if e.kind == "node_dead" and e.node_id not in victims
+                         and window_end < e.at_unix_s <= killed + FAILOVER_WATCH_S]
                 failover["failover_false_positives"] = len({e.node_id for e in after})
                 failover["failover_false_positive_examples"] = [
-                    f"+{e.at_unix_s - window_end:.1f}s {e.message}"[:200] for e in after[:3]]
+                    f"{e.at_unix_s - killed:+.1f}s after the kill: {e.message}"[:200] for e in after[:3]]
         results = [queue.get(timeout=180) for _ in workers]
         for w in workers:
             w.join(timeout=30)
