@@ -564,24 +564,26 @@ class Membership:
         if changed:
             self._peers_stale = True  # the alive set may have changed: the buddies are chosen again
 
-
     def _hold_mass(self, view: ClusterView, now: float, verdicts: dict[str, Verdict]) -> None:
         """A mass silence's deaths become suspicions while its hold lasts (detector.mass_hold)."""
         dying = [n for n, v in verdicts.items() if v.state is State.DEAD and n not in view.forced_dead
                  and (node := view.nodes.get(n)) is not None and not node.fenced]
         while self._declared and now - self._declared[0] > self.settings.dead_after_s:
             self._declared.popleft()
-        hold = mass_hold(now, len(dying), len(self._declared), len(verdicts), self._hold, self.settings.mass_silence)
+        last = self._hold  # those heard during the last hold and silent again: still overloaded (mass_hold)
+        hold = mass_hold(now, len(dying), len(self._declared), len(verdicts), last, self.settings.mass_silence,
+                         sum(verdicts[n].silent_s < now - last.since for n in dying) if last is not None else 0)
         if hold is None:
             return
-        if hold is not self._hold:
+        if hold is not last:
             self._hold = hold
             self.metrics.mass_silence_holds.inc()
             log.warning("mass silence: %s", hold.reason)
         for n in dying:
             v = verdicts[n]
-            verdicts[n] = Verdict(State.SUSPECT, f"{v.reason}; held {hold.until - now:.1f}s more: mass silence",
-                                  v.silent_s)
+            if v.silent_s < hold.declare_over:
+                verdicts[n] = Verdict(State.SUSPECT, f"{v.reason}; held {hold.until - now:.1f}s more: mass silence",
+                                      v.silent_s)
 
 
 def answer_due(now: float, last_write: float, quiet: bool, ack_interval_s: float, quiet_interval_s: float) -> bool:

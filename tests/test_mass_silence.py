@@ -101,3 +101,35 @@ def test_a_real_mass_failure_is_declared_once_the_hold_ends() -> None:
         assert ctl.metrics.mass_silence_holds._value.get() == 1
 
     run(scenario)
+
+
+def test_those_heard_during_a_hold_and_silent_again_are_held_again_those_silent_throughout_are_declared() -> None:
+    held = mass_hold(0.0, 20, 0, 20, None, RULE)
+    assert held is not None and held.declare_over == float("inf")
+    assert mass_hold(10.0, 20, 0, 20, held, RULE, returned=2) is None, "2 back: not a mass, the hold is over"
+    again = mass_hold(10.0, 20, 0, 20, held, RULE, returned=15)
+    assert again is not None and (again.since, again.until, again.declare_over) == (10.0, 20.0, 10.0)
+    assert "15 node(s) heard during the last mass silence's hold are silent again" in again.reason
+    assert mass_hold(15.0, 20, 0, 20, again, RULE, returned=15) is again
+    assert mass_hold(29.9, 20, 0, 20, held, RULE, returned=15) is not None, "within the cooldown after the hold"
+
+
+def test_a_leader_still_overloaded_after_a_hold_declares_only_the_nodes_silent_through_it() -> None:
+    """Fifteen of twenty nodes silent together (a mass, held); ten of them come back during the hold and
+    fall silent again as it ends (the leader still overloaded): they are held again; the five silent
+    throughout are declared dead as the hold ends, the ten only if silent through the next hold too."""
+    async def scenario() -> None:
+        clock, ctl = await _twenty()
+        await step(ctl, clock, NODES[15:], n=30)  # n00..n14 silent for 3 s: held for 10 s from 2.5 s
+        assert _fenced(ctl) == set() and ctl.metrics.mass_silence_holds._value.get() == 1
+        await step(ctl, clock, NODES[5:], n=40)  # n05..n14 heard again during the hold
+        await step(ctl, clock, NODES[15:], n=60)  # then silent again, past the hold's end (12.5 s)
+        assert _fenced(ctl) == set(NODES[:5]), "silent through the hold: declared"
+        assert ctl.metrics.mass_silence_holds._value.get() == 2, "the others are held again"
+        view = ctl.committer.view
+        assert view is not None and view.verdicts["n05"].state is State.SUSPECT
+        assert "mass silence" in view.verdicts["n05"].reason
+        await step(ctl, clock, NODES[15:], n=100)  # silent through the second hold too
+        assert _fenced(ctl) == set(NODES[:15])
+
+    run(scenario)
