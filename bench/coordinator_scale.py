@@ -330,8 +330,14 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             if new is not None:  # live nodes declared dead within FAILOVER_WATCH_S of the kill: the storm and after
                 killed = failover["failover_killed_at_unix_s"]
                 time.sleep(max(0.0, min(killed + FAILOVER_WATCH_S, stop_at - 2.0) - time.time()))
-                after = [e for e in _events(new.address, operator) if e.kind == "node_dead" and e.node_id not in victims
+                try:  # from whichever replica leads now: the new leader may have lost its lease again
+                    seen = _events((_leader(replicas) or new).address, operator)
+                except grpc.RpcError as exc:
+                    seen, failover["failover_events_error"] = [], rpc.describe(exc)[:200]
+                after = [e for e in seen if e.kind == "node_dead" and e.node_id not in victims
                          and window_end < e.at_unix_s <= killed + FAILOVER_WATCH_S]
+                if _leader(replicas) not in (None, new):
+                    failover["failover_leader_lost"] = f"{new.rid} -> {(_leader(replicas) or new).rid}"
                 failover["failover_false_positives"] = len({e.node_id for e in after})
                 failover["failover_false_positive_examples"] = [
                     f"{e.at_unix_s - killed:+.1f}s after the kill: {e.message}"[:200] for e in after[:3]]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -209,21 +209,27 @@ def mass_hold(now: float, dying: int, recent: int, nodes: int, last: Hold | None
     return Hold(now, now + settings.hold_s, reason)
 
 
-
 RECONNECT_MAX = 3.0  # a reconnect storm's grace ends at most this many failover graces after the election
 
 
-def reconnect_grace_until(since: float, last_arrival: float | None, grace_s: float, quiet_s: float) -> float:
+def reconnect_grace_until(since: float, last_arrival: float | None, grace_s: float, quiet_s: float,
+                          now: float | None = None, many_missing: bool = False) -> float:
     """Until when the nodes a new leader (elected at ``since``) has not heard from yet stay in grace:
     ``grace_s`` after the election, and while nodes keep arriving (the last at ``last_arrival``) until
     ``quiet_s`` after the last one, at most ``RECONNECT_MAX x grace_s`` after the election. 2,000 agents
     re-opening mTLS streams to a loaded new leader outlast a fixed grace (measured: half of them back
     after 12-17 s), and every node the grace cuts off is a live node fenced; a node that died with the
-    old leader is declared at most ``RECONNECT_MAX x grace_s`` after the election."""
+    old leader is declared at most ``RECONNECT_MAX x grace_s`` after the election. While a mass of the
+    nodes has not come back yet (``many_missing``) the storm goes on even through a gap in the arrivals
+    (until ``quiet_s`` after ``now``): a stalled leader's gap of 2.5 s had ended a 2,000-node storm's grace
+    while half of the nodes were still to come, and fenced 80 live nodes heard 2.6-3.7 s before."""
     base = since + grace_s
     if last_arrival is None:
         return base
-    return max(base, min(last_arrival + quiet_s, since + RECONNECT_MAX * grace_s))
+    end = last_arrival + quiet_s
+    if many_missing and now is not None:
+        end = max(end, now + quiet_s)
+    return max(base, min(end, since + RECONNECT_MAX * grace_s))
 
 
 @dataclass
@@ -246,10 +252,20 @@ class Reconnects:
             self.heard.add(node_id)
             self.last = now
 
-    def extend(self, now: float, liveness: Mapping[str, Liveness], quiet_s: float) -> int:
+    def missing(self, now: float, liveness: Mapping[str, Liveness], counted: Callable[[str], bool],
+                rule: MassSilence) -> bool:
+        """Whether a mass of the nodes (as :func:`mass_hold` counts one) has yet to re-open its stream
+        in this storm: those still in grace, unheard, and ``counted`` (registered, not fenced)."""
+        if self.last is None or now >= self.since + RECONNECT_MAX * self.grace_s:
+            return False
+        unheard = sum(1 for n, live in liveness.items()
+                      if live.grace_until > now and n not in self.heard and counted(n))
+        return unheard > max(rule.min_nodes, rule.fraction * len(liveness))
+
+    def extend(self, now: float, liveness: Mapping[str, Liveness], quiet_s: float, many_missing: bool = False) -> int:
         """Extends the grace of the nodes still in it (heard or not) to :func:`reconnect_grace_until`; how
         many."""
-        until = reconnect_grace_until(self.since, self.last, self.grace_s, quiet_s)
+        until = reconnect_grace_until(self.since, self.last, self.grace_s, quiet_s, now, many_missing)
         if until <= self.until or until <= now or until <= self.since + self.grace_s:
             return 0
         self.until, extended = until, 0

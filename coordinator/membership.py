@@ -522,7 +522,9 @@ class Membership:
         # only the silent ones are judged and compared afresh, so a tick is cheap at 10,000 nodes.
         before_all = view.verdicts
         storm = self._reconnects
-        if storm.extend(now, view.liveness, detector.dead_after_s) and not storm.logged:
+        missing = storm.missing(now, view.liveness, lambda n: (rec := view.nodes.get(n)) is not None
+                                and not rec.fenced, self.settings.mass_silence)
+        if storm.extend(now, view.liveness, detector.dead_after_s, missing) and not storm.logged:
             storm.logged = True
             log.warning("nodes still re-open their streams %.1fs after the election: the unheard keep their grace "
                         "while nodes arrive (%.0fs at most)", now - storm.since, RECONNECT_MAX * storm.grace_s)

@@ -95,3 +95,27 @@ def test_a_node_heard_in_the_storm_and_then_silent_keeps_its_grace() -> None:
                                               gaps={"n00": (1.5, 4.5), "n01": (1.5, 1e9)})
     assert fenced == {"n01", "n11"}, "the node silent in the storm and back lives; the silent for good do not"
     assert fenced_at is not None and 5.0 <= fenced_at <= 5.0 + 1.0, fenced_at
+
+
+def test_while_a_mass_has_yet_to_come_back_a_gap_in_the_arrivals_does_not_end_the_storm() -> None:
+    assert reconnect_grace_until(100.0, 101.0, 8.0, 2.5, now=111.0, many_missing=True) == 113.5
+    assert reconnect_grace_until(100.0, 101.0, 8.0, 2.5, now=111.0) == 108.0, "without: the grace as it was"
+    assert reconnect_grace_until(100.0, 101.0, 8.0, 2.5, now=130.0, many_missing=True) == 124.0, "bounded"
+    # n00..n02 come back 1 s after the election, then their heartbeats stop while nobody else arrives for
+    # 8 s (a stalled leader, a slow simulator); nine nodes are still to come: the storm is not over.
+    arrivals = {f"n{i:02d}": 1.0 for i in range(3)} | {f"n{i:02d}": 9.0 for i in range(3, 11)}
+    fenced, fenced_at, _ = _takeover_scenario(arrivals, "n11", ticks=200,
+                                              gaps={f"n{i:02d}": (2.0, 9.0) for i in range(3)})
+    assert fenced == {"n11"}, "those heard and silent while a mass was still to come live"
+    assert fenced_at is not None and 9.0 + 2.5 <= fenced_at <= 9.0 + 2.5 + 1.0, fenced_at
+
+
+def test_a_mass_is_missing_only_among_the_registered_unfenced_nodes_still_in_grace() -> None:
+    from ftd.coordinator.detector import MassSilence
+    rule = MassSilence(fraction=0.1, min_nodes=8, hold_s=10.0)
+    storm = Reconnects(since=100.0, grace_s=8.0, last=101.0, heard={"a"})
+    table = {n: Liveness(last_seen=100.0, grace_until=108.0) for n in "abcdefghijk"}  # 10 unheard
+    assert storm.missing(102.0, table, lambda n: True, rule)
+    assert not storm.missing(102.0, table, lambda n: n not in "bc", rule), "8 counted: not more than 8"
+    assert not storm.missing(125.0, table, lambda n: True, rule), "past the bound"
+    assert not Reconnects(since=100.0, grace_s=8.0).missing(102.0, table, lambda n: True, rule), "nobody back yet"
