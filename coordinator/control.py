@@ -38,6 +38,7 @@ from .gauges import AlarmWatch, Gauges
 from .goodput_watch import GoodputWatch, goodput_proto
 from .guard_metrics import guard_metrics
 from .jobs import JobKeeper, JobPolicy
+from .lease_keeper import LeaseKeeper
 from .membership import Membership
 from .memory_mirror import MirrorFeed, MirrorFollower
 from .metrics import CoordinatorMetrics
@@ -55,6 +56,7 @@ ALARM_POLL_S = 5.0  # how often every replica reads etcd's alarms
 MIN_KEEP_ALIVE_WAIT_S = 0.25  # the least a keep-alive is waited for, even past the trusted part of the lease
 MAX_PROBLEM_EVENTS = 20  # corrupt records named one by one in the event log at election
 MIRROR_SLACK_S = 1.0  # beyond the lease's TTL: a followed memory ledger this fresh at an election is kept
+LOOP_LAG_TTLS = 2.0  # the lease keeper renews while the loop ran a tick within this many lease TTLs
 
 
 class Controller:
@@ -119,6 +121,12 @@ class Controller:
         self._errors = LogThrottle(log)
         self.last_tick_at = self.clock()
         self._last_confirmed = 0.0
+        # renews the lease from a thread while the loop is busy (lease_keeper.py); run() turns it on, so
+        # that tests driving the controller by hand on a fake clock see only the leases they renew
+        self.keeper = LeaseKeeper(lambda lease: self.calls.lease_now(self.store.keep_alive, lease),
+                                  settings.leader_ttl_s, clock, lambda: self.last_tick_at,
+                                  LOOP_LAG_TTLS * settings.leader_ttl_s)
+        self._keeper_on = False
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
 
@@ -148,6 +156,8 @@ class Controller:
         state = self.committer
         state.lease, state.known_leader = lease, lease.leader
         self._last_confirmed = self.clock()
+        if self._keeper_on:
+            self.keeper.start(lease)
         try:
             state.view = await state.load()
         except StoreUnavailable:
@@ -190,6 +200,7 @@ class Controller:
 
     async def _step_down(self, reason: str) -> None:
         log.warning("stepping down: %s", reason)
+        self.keeper.stop()
         state = self.committer
         state.lease, state.view, state.suspended, state.known_leader = None, None, False, None
         self.metrics.is_leader.set(0)
@@ -238,6 +249,10 @@ class Controller:
         # standby can only campaign after the expiry, so two replicas never act as leader at once. The
         # margin stays small so that an etcd leader election (about a second) does not suspend it.
         trust = self.settings.leader_ttl_s * 5 / 6
+        if self.keeper.lost:
+            await self._step_down("leader lease expired or was taken over (seen by the lease keeper)")
+            return False
+        self._last_confirmed = max(self._last_confirmed, self.keeper.confirmed)
         budget = max(MIN_KEEP_ALIVE_WAIT_S, self._last_confirmed + trust - sent)
         try:
             still = await asyncio.wait_for(self.calls.lease("keep_alive", self.store.keep_alive, state.lease), budget)
@@ -398,11 +413,13 @@ class Controller:
         set_identity(replica=self.replica_id, role="standby")
         self.metrics.is_leader.set(0)
         self.metrics.recovery_open.set(0)
+        self._keeper_on = True
         await asyncio.gather(self._leadership_loop(), self._tick_loop(), self._follow_loop())
 
     async def stop(self) -> None:
         """Graceful stop: resign so a standby takes over at once instead of after the lease TTL."""
         self._stopping.set()
+        self.keeper.stop()
         lease = self.committer.lease
         self.committer.lease, self.committer.view = None, None
         self.membership.close_streams(errors.NotLeader(self.replica_id, "", "is shutting down"))

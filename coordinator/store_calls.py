@@ -35,6 +35,10 @@ class StoreCalls:
         """Campaign, keep-alive, resign and the leader lookup."""
         return await self._run(self._lease_pool, op, fn, *args)
 
+    def lease_now(self, fn: Callable[..., T], *args: Any) -> T:
+        """A lease call from another thread (lease_keeper.py), on the lease calls' own thread."""
+        return self._lease_pool.submit(fn, *args).result()
+
     async def _run(self, pool: ThreadPoolExecutor, op: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             result = await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
