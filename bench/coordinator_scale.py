@@ -324,7 +324,7 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
         failover: dict[str, Any] = {}
         if args.kill_leader and len(replicas) > 1:
             before = _complete_before(leading, operator, restore)
-            failover = _kill_leader(replicas, leader, operator, before.pop("failover_restore_step_before"))
+            failover = _kill_leader(replicas, leading, operator, before.pop("failover_restore_step_before"))
             failover.update(before)
             new = next((r for r in replicas if r.rid == failover.get("failover_new_leader")), None)
             if new is not None:  # live nodes declared dead within FAILOVER_WATCH_S of the kill: the storm and after
