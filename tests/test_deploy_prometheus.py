@@ -38,6 +38,7 @@ EXPORTED_METRICS = {
     "ftd_coordinator_nodes_declared_dead_total",
     "ftd_coordinator_mass_silence_holds_total",
     "ftd_coordinator_is_leader",
+    "ftd_coordinator_memory_mirror_as_of_unix_seconds",
     "ftd_coordinator_etcd_errors_total",
     "ftd_coordinator_recovery_seconds",
     "ftd_coordinator_recovery_phase_seconds",
@@ -92,6 +93,7 @@ HISTOGRAMS = {
 
 EXPECTED_ALERTS = {
     "FtdNoLeader",
+    "FtdStandbyNotFollowing",
     "FtdEtcdErrors",
     "FtdNodeDead",
     "FtdMassSilence",
