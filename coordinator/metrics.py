@@ -141,4 +141,5 @@ class CoordinatorMetrics:
     def mirrored(self, msg: Any) -> None:
         """A standby applied a message of the leader's memory ledger (a ``MemoryMirror``)."""
         self.mirror_reports.inc(len(msg.reports))
-        self.mirror_as_of.set(msg.as_of_unix_s)
+        if not msg.continues:  # the batch is whole: every report taken before its time is here
+            self.mirror_as_of.set(msg.as_of_unix_s)
