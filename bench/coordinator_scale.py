@@ -135,6 +135,16 @@ def _leader(replicas: list[_Replica]) -> _Replica | None:
     return None
 
 
+def udp_rcvbuf_errors() -> int | None:
+    """The host's UDP datagrams dropped for a full receive buffer (/proc/net/snmp ``RcvbufErrors``): on
+    this box mostly the leader's beacon port (the simulator's sockets receive only the echoes)."""
+    try:
+        lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Udp:")]
+        return int(lines[1][lines[0].index("RcvbufErrors")])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _etcd_sample(etcd: EtcdCluster) -> dict[str, float]:
     return scrape(etcd.members[0].client_url.split("://", 1)[1])
 
@@ -309,9 +319,11 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             w.start()
         time.sleep(max(0.0, start_at + 5.0 - time.time()))  # all streams up, steady state
         m0, e0, t0 = scrape(leader.metrics), _etcd_sample(etcd), time.monotonic()
+        u0 = udp_rcvbuf_errors()
         c0 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
         time.sleep(max(0.0, window_end - time.time() - 0.5))
         m1, e1, t1 = scrape(leader.metrics), _etcd_sample(etcd), time.monotonic()
+        u1 = udp_rcvbuf_errors()
         c1 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
         # Before the simulated agents stop (then all would die); from whichever replica leads now: an
         # overloaded leader may have lost its lease in the window (the figures then say so).
@@ -330,6 +342,8 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             if new is not None:  # live nodes declared dead within FAILOVER_WATCH_S of the kill: the storm and after
                 killed = failover["failover_killed_at_unix_s"]
                 time.sleep(max(0.0, min(killed + FAILOVER_WATCH_S, stop_at - 2.0) - time.time()))
+                u2 = udp_rcvbuf_errors()
+                failover["failover_udp_rcvbuf_errors"] = u2 - u1 if u1 is not None and u2 is not None else None
                 try:  # from whichever replica leads now: the new leader may have lost its lease again
                     seen = _events((_leader(replicas) or new).address, operator)
                 except grpc.RpcError as exc:
@@ -383,6 +397,7 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             "missed_victims": sorted(f"{v} ({victims[v]}, {'died' if v in died else 'never stopped'}"
                                      f"{', registered' if v in up else ', never answered'})" for v in missed),
             "etcd_writes_per_s": round(revisions / window, 2),
+            "udp_rcvbuf_errors": u1 - u0 if u0 is not None and u1 is not None else None,
             "coordinator_etcd_writes_per_s": round(delta(m0, m1, "ftd_coordinator_etcd_writes_total") / window, 2),
             "etcd_db_growth_bytes": int(e1.get("etcd_mvcc_db_total_size_in_bytes", 0)
                                         - e0.get("etcd_mvcc_db_total_size_in_bytes", 0)),
