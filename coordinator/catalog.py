@@ -31,9 +31,10 @@ from ftd.checkpoints.layout import (
 from ftd.identity import Identity
 from ftd.v1 import checkpoint_pb2, coordinator_pb2
 
-from . import errors, paging, rate_limits, restore_floors, shard_rules, validation
+from . import errors, paging, rate_limits, shard_rules, validation
 from . import memory_ledger as ledger
 from . import rendezvous as rules_job
+from .floor_keeper import FloorKeeper
 from .leader_state import LeaderState
 from .merge_cache import MergeCache
 from .metrics import CoordinatorMetrics
@@ -85,7 +86,7 @@ class CatalogKeeper:
         # Memory snapshots: soft state of the leader (memory_ledger.py), merged in when records are read.
         self.memory = ledger.MemoryLedger()
         self.memory_deadline_s = memory_deadline_s
-        self.floors = restore_floors.FloorKeeper(state)  # the newest step answered, in etcd (restore_floors.py)
+        self.floors = FloorKeeper(state)  # the newest step answered, in etcd (restore_floors.py)
         self.address = ""  # this replica's address: where a refused restore target is retried (ReportsPending)
         # Merged records (merge_cache.py) and restore targets are cached until the ledger, the durable
         # records or the nodes' states change: after a failure every rank asks for the same target at once.
@@ -98,9 +99,7 @@ class CatalogKeeper:
         self.clock, self.memory_in_etcd = clock, False  # True: memory RPCs go to etcd as before issue 19 (bench)
         self.limiter = limiter or rate_limits.WriteLimiter()
         self._series: set[str] = set()  # jobs whose gauges are published
-        self.metrics = metrics
-        self.wall = wall
-        self._lock = asyncio.Lock()
+        self.metrics, self.wall, self._lock = metrics, wall, asyncio.Lock()
         self._valid_at: dict[tuple[str, int], float] = {}  # when a step became valid, on this leader
         # (job, the saving epoch and round) -> the first step not to record: a step anomaly is being rolled back,
         # and every checkpoint from it on would be suspect (coordinator/rollbacks.py sets it)

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class State(str, enum.Enum):
@@ -252,14 +253,14 @@ class Reconnects:
             self.heard.add(node_id)
             self.last = now
 
-    def missing(self, now: float, liveness: Mapping[str, Liveness], counted: Callable[[str], bool],
+    def missing(self, now: float, liveness: Mapping[str, Liveness], nodes: Mapping[str, Any],
                 rule: MassSilence) -> bool:
         """Whether a mass of the nodes (as :func:`mass_hold` counts one) has yet to re-open its stream
-        in this storm: those still in grace, unheard, and ``counted`` (registered, not fenced)."""
+        in this storm: those still in grace, unheard, registered in ``nodes`` and not fenced."""
         if self.last is None or now >= self.since + RECONNECT_MAX * self.grace_s:
             return False
-        unheard = sum(1 for n, live in liveness.items()
-                      if live.grace_until > now and n not in self.heard and counted(n))
+        unheard = sum(1 for n, live in liveness.items() if live.grace_until > now and n not in self.heard
+                      and (node := nodes.get(n)) is not None and not node.fenced)
         return unheard > max(rule.min_nodes, rule.fraction * len(liveness))
 
     def extend(self, now: float, liveness: Mapping[str, Liveness], quiet_s: float, many_missing: bool = False) -> int:

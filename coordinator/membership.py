@@ -522,9 +522,8 @@ class Membership:
         # only the silent ones are judged and compared afresh, so a tick is cheap at 10,000 nodes.
         before_all = view.verdicts
         storm = self._reconnects
-        missing = storm.missing(now, view.liveness, lambda n: (rec := view.nodes.get(n)) is not None
-                                and not rec.fenced, self.settings.mass_silence)
-        if storm.extend(now, view.liveness, detector.dead_after_s, missing) and not storm.logged:
+        if storm.extend(now, view.liveness, detector.dead_after_s, storm.missing(
+                now, view.liveness, view.nodes, self.settings.mass_silence)) and not storm.logged:
             storm.logged = True
             log.warning("nodes still re-open their streams %.1fs after the election: the unheard keep their grace "
                         "while nodes arrive (%.0fs at most)", now - storm.since, RECONNECT_MAX * storm.grace_s)
@@ -573,19 +572,17 @@ class Membership:
         while self._declared and now - self._declared[0] > self.settings.dead_after_s:
             self._declared.popleft()
         last = self._hold  # those heard during the last hold and silent again: still overloaded (mass_hold)
-        hold = mass_hold(now, len(dying), len(self._declared), len(verdicts), last, self.settings.mass_silence,
-                         sum(verdicts[n].silent_s < now - last.since for n in dying) if last is not None else 0)
+        back = sum(verdicts[n].silent_s < now - last.since for n in dying) if last is not None else 0
+        hold = mass_hold(now, len(dying), len(self._declared), len(verdicts), last, self.settings.mass_silence, back)
         if hold is None:
             return
         if hold is not last:
             self._hold = hold
             self.metrics.mass_silence_holds.inc()
             log.warning("mass silence: %s", hold.reason)
-        for n in dying:
-            v = verdicts[n]
-            if v.silent_s < hold.declare_over:
-                verdicts[n] = Verdict(State.SUSPECT, f"{v.reason}; held {hold.until - now:.1f}s more: mass silence",
-                                      v.silent_s)
+        for n in (n for n in dying if verdicts[n].silent_s < hold.declare_over):
+            v, left = verdicts[n], hold.until - now
+            verdicts[n] = Verdict(State.SUSPECT, f"{v.reason}; held {left:.1f}s more: mass silence", v.silent_s)
 
 
 def answer_due(now: float, last_write: float, quiet: bool, ack_interval_s: float, quiet_interval_s: float) -> bool:

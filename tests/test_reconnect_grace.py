@@ -5,6 +5,8 @@ in-memory store with a hand-moved clock."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from controller_harness import WALL, Clock, hb, make, reg, run, step
 
 from ftd.coordinator.control import Controller
@@ -115,7 +117,10 @@ def test_a_mass_is_missing_only_among_the_registered_unfenced_nodes_still_in_gra
     rule = MassSilence(fraction=0.1, min_nodes=8, hold_s=10.0)
     storm = Reconnects(since=100.0, grace_s=8.0, last=101.0, heard={"a"})
     table = {n: Liveness(last_seen=100.0, grace_until=108.0) for n in "abcdefghijk"}  # 10 unheard
-    assert storm.missing(102.0, table, lambda n: True, rule)
-    assert not storm.missing(102.0, table, lambda n: n not in "bc", rule), "8 counted: not more than 8"
-    assert not storm.missing(125.0, table, lambda n: True, rule), "past the bound"
-    assert not Reconnects(since=100.0, grace_s=8.0).missing(102.0, table, lambda n: True, rule), "nobody back yet"
+    nodes = {n: SimpleNamespace(fenced=None) for n in table}
+    assert storm.missing(102.0, table, nodes, rule)
+    fenced = nodes | {"b": SimpleNamespace(fenced="dead"), "c": SimpleNamespace(fenced="dead")}
+    assert not storm.missing(102.0, table, fenced, rule), "8 registered and not fenced: not more than 8"
+    assert not storm.missing(102.0, table, {n: v for n, v in nodes.items() if n not in "bc"}, rule), "unregistered"
+    assert not storm.missing(125.0, table, nodes, rule), "past the bound"
+    assert not Reconnects(since=100.0, grace_s=8.0).missing(102.0, table, nodes, rule), "nobody back yet"
