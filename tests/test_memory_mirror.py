@@ -43,6 +43,13 @@ async def take_over(c0: Any, c1: Any, clock: Clock) -> None:
     assert c1.is_leader
 
 
+def step_12_on_every_node(c0: Any) -> None:
+    """c0 takes step 12 from a and b (each its rank and the other's replica) and s's empty memory tier."""
+    c0._take_memory("a", "i1", report(snap(12, 0), snap(12, 1, owner="b")))
+    c0._take_memory("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
+    c0._take_memory("s", "i1", report())
+
+
 def test_a_standby_following_the_leaders_memory_ledger_answers_at_once_after_a_failover() -> None:
     async def go() -> None:
         c0, c1, clock, feed = await leader_and_follower()
@@ -74,9 +81,7 @@ def test_a_mirror_lacking_the_report_behind_the_last_answer_waits_for_the_agents
     leader answered complete. The floor in etcd (pinned before that answer) makes the new leader wait."""
     async def go() -> None:
         c0, c1, clock, feed = await leader_and_follower()
-        c0._take_memory("a", "i1", report(snap(12, 0), snap(12, 1, owner="b")))
-        c0._take_memory("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
-        c0._take_memory("s", "i1", report())
+        step_12_on_every_node(c0)
         c1.mirror.apply(await feed.__anext__())
         c0._take_memory("a", "i1", report(snap(14, 0), snap(14, 1, owner="b"), version=2))
         c0._take_memory("b", "i1", report(snap(14, 1), snap(14, 0, owner="a"), version=2))
@@ -100,9 +105,7 @@ def test_a_mirror_lacking_the_report_behind_the_last_answer_waits_for_the_agents
 def test_after_the_deadline_an_answer_older_than_the_floor_says_so_and_a_rollback_voids_the_floor() -> None:
     async def go() -> None:
         c0, c1, clock, feed = await leader_and_follower()
-        c0._take_memory("a", "i1", report(snap(12, 0), snap(12, 1, owner="b")))
-        c0._take_memory("b", "i1", report(snap(12, 1), snap(12, 0, owner="a")))
-        c0._take_memory("s", "i1", report())
+        step_12_on_every_node(c0)
         await c0.catalog.floors.pin(JOB, c0.catalog.restore_target(JOB))
         c0._take_memory("a", "i1", report(version=2))  # both nodes' memory went (the copies of 12 with it)
         c0._take_memory("b", "i1", report(version=2))
