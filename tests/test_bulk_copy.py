@@ -92,7 +92,8 @@ def test_a_copy_rotten_at_the_holder_yields_no_file(server: bulk_copy.BulkServer
     """The holder does not hash what it sends; the receiver checks against the holder's manifest sum
     (no catalog here) and keeps only what matched before."""
     files = holder_files(tmp_path / "holder", CONTENTS)
-    (tmp_path / "holder" / "b.bin").write_bytes(b"\0" + CONTENTS["b.bin"][1:])  # the manifest sum is the old one
+    old = CONTENTS["b.bin"]
+    (tmp_path / "holder" / "b.bin").write_bytes(bytes([old[0] ^ 0xFF]) + old[1:])  # the manifest sum is the old one
     port, offer = server.offer(files)
     with pytest.raises(bulk_copy.BulkError, match=r"b\.bin: crc32c [0-9a-f]{8} received, expected"):
         bulk_copy.receive("127.0.0.1", port, offer.transfer, offer.key, [(f.name, f.size, f.crc32c) for f in files],

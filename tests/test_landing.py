@@ -168,7 +168,7 @@ def test_a_copy_rotten_at_the_holder_fails_the_receivers_check(server: bulk_copy
     """The holder does not hash what it sends: the receiver's check against the manifest's sum (or
     the catalog's) refuses it, and the caller falls back to ReadShard, which checks at the holder."""
     files = offered(tmp_path / "holder")
-    (tmp_path / "holder" / "state.pt").write_bytes(b"\0" + BIG[1:])
+    (tmp_path / "holder" / "state.pt").write_bytes(bytes([BIG[0] ^ 0xFF]) + BIG[1:])  # differs, whatever it was
     slot = Slot(tmp_path / "slot", len(BIG) + MIB)
     with pytest.raises(bulk_copy.BulkError, match=r"state\.pt: crc32c"):
         pull(server, files, tmp_path / "in", slot)

@@ -47,7 +47,7 @@ def test_a_copy_between_tiers_is_checked_and_published_last(tmp_path: Path) -> N
 def test_a_corrupt_source_publishes_nothing(tmp_path: Path) -> None:
     mem, ssd = MemoryTier(tmp_path / "mem"), LocalBackend(tmp_path / "ssd")
     manifest = publish(mem, 3, {"state.pt": A})
-    (tmp_path / "mem" / shard_prefix("job", 3, 0) / "state.pt").write_bytes(b"X" + A[1:])
+    (tmp_path / "mem" / shard_prefix("job", 3, 0) / "state.pt").write_bytes(bytes([A[0] ^ 0xFF]) + A[1:])
     with pytest.raises(CopyMismatch, match=r"state\.pt: 300000 bytes crc32c [0-9a-f]{8}, the manifest says") as err:
         copy_published(mem, ssd, manifest)
     assert err.value.file == "state.pt" and leftovers(tmp_path / "ssd") == []
