@@ -123,6 +123,13 @@ def probe_due(now: float, last_seen: float, beaconing: bool, probed_at: float | 
     return f"no beacon for {silent:.2f}s (suspect_after_s={suspect_after_s:g}): probing on the stream"
 
 
+def answer_due(now: float, last_write: float, quiet: bool, ack_interval_s: float, quiet_interval_s: float) -> bool:
+    """Whether a stream's message is answered (news aside): at most every ``ack_interval_s``; a quiet
+    stream's (``quiet_interval_s`` > 0) at most every ``quiet_interval_s``."""
+    interval = quiet_interval_s if quiet and quiet_interval_s > 0 else ack_interval_s
+    return now - last_write >= interval
+
+
 class BeaconProtocol:
     """Decodes every datagram and hands beacons to ``on_beacon`` (the membership's), which returns a
     drop reason or None; counts both. :meth:`drain` reads every datagram waiting on the socket per

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ftd.checkpoints.catalog import Catalog
+from ftd.v1 import cluster_pb2
 
 INLINE_PEERS_MAX = 256  # as the world (view.INLINE_WORLD_MAX): above, a node is told only its own peers
 
@@ -153,3 +154,11 @@ def peers_for(node_id: str, buddy: Buddy, reachable: Mapping[str, Listed], world
         wanted.update((world[(me.rank - 1) % len(world)], world[(me.rank + 1) % len(world)]))
     wanted.discard(node_id)
     return PeerSet(buddy, tuple(reachable[n] for n in sorted(wanted) if n in reachable), False)
+
+
+def peers_proto(peers: PeerSet) -> cluster_pb2.Peers:
+    return cluster_pb2.Peers(
+        buddy=peers.buddy.node_id or "", buddy_reason=peers.buddy.reason, complete=peers.complete,
+        mirrors=peers.mirrors,
+        addresses=[cluster_pb2.PeerAddress(node_id=p.node_id, agent_address=p.address, rank=p.rank)
+                   for p in peers.listed])

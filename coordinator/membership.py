@@ -27,12 +27,12 @@ from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import buddies, errors, handover_rules, rate_limits, validation
 from .admission import check_heartbeat, decide_registration, validate_register
-from .beacon_listener import BeaconBook, BeaconKey, admit, echo_due, probe_due
+from .beacon_listener import BeaconBook, BeaconKey, admit, answer_due, echo_due, probe_due
 from .detector import RECONNECT_MAX, Hold, Liveness, Reconnects, State, Verdict, judge, mass_hold
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
-from .placement import collectable, plan
+from .placement import collectable, plan, replan_due
 from .recovery import RecoveryTracker
 from .revocations import admitted
 from .settings import CoordinatorSettings
@@ -92,6 +92,8 @@ class Membership:
         self.changed = False  # membership changed since the gauges were last published
         self._lock = asyncio.Lock()
         self._last_judged: float | None = None
+        self._transitions = 0  # verdict state changes: part of the key of the placement's inputs
+        self._planned: tuple[object, float] | None = None  # the key and time of the last plan that found nothing
         self._hold: Hold | None = None  # the last mass silence's hold (detector.mass_hold)
         self._declared: deque[float] = deque()  # when this leader declared deaths, lately (one entry each)
         self._reconnects = Reconnects(-1e18, 0.0)  # this term's reconnect storm (detector.reconnect_grace_until)
@@ -119,7 +121,7 @@ class Membership:
     def new_term(self) -> None:
         """A new leadership term: the first judgement has no previous one to measure a stall from, and
         the buddies are chosen afresh from the reloaded view."""
-        self._last_judged = None
+        self._last_judged, self._planned = None, None
         self._hold = None
         self._declared.clear()
         self._reconnects = Reconnects(self.clock(), self.settings.failover_grace_s)
@@ -281,7 +283,7 @@ class Membership:
         peers = self.peers_of(view, stream.node_id)
         if peers != stream.sent_peers:
             stream.sent_peers = peers
-            response.assignment.peers.CopyFrom(_peers_proto(peers))
+            response.assignment.peers.CopyFrom(buddies.peers_proto(peers))
         book = self.beacons
         if stream.beacon is not None and book is not None:
             if not stream.beacon_sent:
@@ -399,8 +401,13 @@ class Membership:
         now = self.clock()
         self._judge(view, now)
         planned = self._handovers_due(view)
-        step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
-                    self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
+        inputs = (id(view), view.world_revision, view.last_event_seq, len(view.nodes), self._transitions,
+                  tuple(view.forced_dead), tuple(sorted(planned)), tuple(view.drains))
+        step = None
+        if replan_due(now, inputs, self._planned):
+            step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
+                        self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
+            self._planned = (inputs, now) if step is None else None
         if step is None:
             if now - self._gc_at >= GC_PERIOD_S:
                 self._gc_at = now
@@ -550,6 +557,7 @@ class Membership:
             if verdict.state is State.SUSPECT and not judgement.stalled:  # a stall: silences are not evidence
                 self._probe(node_id, view.liveness[node_id].last_seen, now)
             if before is None or before.state is not verdict.state:
+                self._transitions += 1  # a placement input (placement.replan_due)
                 # The buddy ring leaves out only dead and fenced nodes: a suspect coming and going (a
                 # late beacon under load) changes nothing there, and the ring costs O(nodes) to rebuild.
                 changed = changed or before is None or State.DEAD in (before.state, verdict.state)
@@ -584,17 +592,3 @@ class Membership:
             v, left = verdicts[n], hold.until - now
             verdicts[n] = Verdict(State.SUSPECT, f"{v.reason}; held {left:.1f}s more: mass silence", v.silent_s)
 
-
-def answer_due(now: float, last_write: float, quiet: bool, ack_interval_s: float, quiet_interval_s: float) -> bool:
-    """Whether a stream's message is answered (news aside): at most every ``ack_interval_s``; a quiet
-    stream's (``quiet_interval_s`` > 0) at most every ``quiet_interval_s``."""
-    interval = quiet_interval_s if quiet and quiet_interval_s > 0 else ack_interval_s
-    return now - last_write >= interval
-
-
-def _peers_proto(peers: buddies.PeerSet) -> cluster_pb2.Peers:
-    return cluster_pb2.Peers(
-        buddy=peers.buddy.node_id or "", buddy_reason=peers.buddy.reason, complete=peers.complete,
-        mirrors=peers.mirrors,
-        addresses=[cluster_pb2.PeerAddress(node_id=p.node_id, agent_address=p.address, rank=p.rank)
-                   for p in peers.listed])

@@ -94,13 +94,16 @@ def check_manifest(man: checkpoint_pb2.ShardManifest) -> Manifest | str:
     created = man.created_unix_s
     if not math.isfinite(created) or created < 0:
         return f"{job} step {step} rank {rank}: created_unix_s {created}"
-    files = tuple([FileEntry(f.name, f.size, f.crc32c) for f in listed])
+    files = []
     size = 0
-    for f in files:
-        if f.size < 0 or len(f.crc32c) != 8:
+    for f in listed:  # one pass, each field read once (a protobuf field read costs as much as the check)
+        entry = FileEntry(f.name, f.size, f.crc32c)
+        if entry.size < 0 or len(entry.crc32c) != 8:
             return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
-        size += f.size
-    return Manifest(job, step, man.epoch, rank, world, man.format, files, files_checksum(files), created, size)
+        size += entry.size
+        files.append(entry)
+    kept = tuple(files)
+    return Manifest(job, step, man.epoch, rank, world, man.format, kept, files_checksum(kept), created, size)
 
 
 _GOOD_JOBS: set[str] = set()  # job ids that passed check_job (a regex per manifest otherwise)
@@ -136,18 +139,20 @@ class ManifestCache:
         self.new: dict[bytes, Manifest | str] = {}
         self.old: dict[bytes, Manifest | str] = {}
 
-    def check(self, man: checkpoint_pb2.ShardManifest, raw: bytes | None = None) -> Manifest | str:
-        """``raw``: the manifest's deterministic wire form if the caller has it (:func:`manifest_bytes`)."""
-        if raw is None:
-            raw = man.SerializeToString(deterministic=True)
-        got = self.new.get(raw)
+    def check(self, snapshot: coordinator_pb2.MemorySnapshot, raw: bytes | None = None) -> Manifest | str:
+        """``snapshot``'s manifest checked. ``raw``: the snapshot's deterministic wire form if the caller
+        has it (the manifest's is sliced from it, :func:`manifest_bytes`, and a hit reads no field)."""
+        key = manifest_bytes(raw) if raw is not None else None
+        if key is None:
+            key = snapshot.manifest.SerializeToString(deterministic=True)
+        got = self.new.get(key)
         if got is None:
-            got = self.old.get(raw)
+            got = self.old.get(key)
             if got is None:
-                got = check_manifest(man)
+                got = check_manifest(snapshot.manifest)
             if len(self.new) >= self.size:
                 self.old, self.new = self.new, {}
-            self.new[raw] = got
+            self.new[key] = got
         return got
 
 
@@ -158,25 +163,23 @@ def parse(node: str, m: coordinator_pb2.MemorySnapshot, rounds: Mapping[tuple[st
     node holding it in the snapshot's round (:func:`~.shard_rules.holder`); a round it has not seen
     (older than this leader) is not judged here. ``manifests``: checked manifests, shared by nodes;
     ``raw``: the snapshot's deterministic wire form, if the caller has it (the manifest's is sliced from it)."""
-    if manifests is None:
-        man = check_manifest(m.manifest)
-    else:
-        man = manifests.check(m.manifest, manifest_bytes(raw) if raw is not None else None)
+    man = check_manifest(m.manifest) if manifests is None else manifests.check(m, raw)
     if isinstance(man, str):
         return man
     job, step, rank, world = man.job, man.step, man.rank, man.world_size
-    owner = m.owner
-    if m.replica and (not owner or owner == node):
+    replica = m.replica
+    owner = m.owner if replica else node
+    if replica and (not owner or owner == node):
         return f"{job} step {step} rank {rank}: a replica names its owner, another node (got {owner[:100]!r})"
     round_ = m.job_round if m.HasField("job_round") else -1
-    members = rounds.get((job, round_))
-    if not m.replica and members is not None:
-        held = shard_rules.holder(JobState(job, members=members), world, rank)
+    if not replica and rounds:
+        members = rounds.get((job, round_))
+        held = None if members is None else shard_rules.holder(JobState(job, members=members), world, rank)
         if held is not None and held != node:
             return f"{job} step {step} rank {rank}: held by {held} in round {round_}, not by {node}"
-    return Snap(node, owner if m.replica else node, m.replica, job, step, man.epoch, rank, world, man.format,
-                man.files, man.checksum, man.created, m.restored_step if m.HasField("restored_step") else None,
-                round_, m.cadence[:200], man.size)
+    return Snap(node, owner, replica, job, step, man.epoch, rank, world, man.format, man.files, man.checksum,
+                man.created, m.restored_step if m.HasField("restored_step") else None, round_, m.cadence[:200],
+                man.size)
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,15 @@ commits a plan in one etcd transaction and only then believes it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from .detector import State, Verdict
 from .model import Fence, NodeRecord, Role, World
+
+# A tick whose placement inputs did not change since a plan found nothing to do plans again at most this
+# late: the inputs the key leaves out (a spare's health ageing, a straggler mark) wait this long at most.
+REPLAN_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,14 @@ def plan(
                    for k, v in updates.items()}
     summary = new_world.reason if new_world else "; ".join(e[2] for e in events)
     return Plan(new_world, tuple(updates.values()), tuple(events), summary, tuple(dead))
+
+
+def replan_due(now: float, inputs: Hashable, last: tuple[Hashable, float] | None,
+               every_s: float = REPLAN_EVERY_S) -> bool:
+    """Whether a tick runs :func:`plan` again. At 2,000 nodes a plan and the spares' fitness cost ~4 ms,
+    ten times a second, for nothing when no verdict, record or drain changed (``inputs``, the caller's
+    key of them) since one found nothing to do (``last``: its key and when; None after a commit)."""
+    return last is None or last[0] != inputs or now - last[1] >= every_s
 
 
 def collectable(now_unix: float, world: World, nodes: Mapping[str, NodeRecord], retention_s: float,

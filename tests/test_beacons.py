@@ -31,10 +31,18 @@ from ftd.agent.beacon_sender import (
     stream_due,
 )
 from ftd.agent.heartbeat import Identity, Session
-from ftd.coordinator.beacon_listener import BeaconBook, BeaconKey, BeaconProtocol, admit, echo_due, probe_due
+from ftd.coordinator.beacon_listener import (
+    BeaconBook,
+    BeaconKey,
+    BeaconProtocol,
+    admit,
+    answer_due,
+    echo_due,
+    probe_due,
+)
 from ftd.coordinator.control import Controller
 from ftd.coordinator.detector import DetectorSettings, Liveness, State, judge
-from ftd.coordinator.membership import Stream, answer_due
+from ftd.coordinator.membership import Stream
 from ftd.coordinator.store import MemoryStore
 from ftd.v1 import cluster_pb2, coordinator_pb2
 from ftd.waiting import wait_for

@@ -374,3 +374,27 @@ def test_the_assignment_names_the_buddy_and_pushes_a_new_one_when_it_dies() -> N
         assert told.buddy == "t" and [p.node_id for p in told.addresses] == ["a", "b", "t"]
 
     run(scenario)
+
+
+def test_a_death_or_a_joiner_is_planned_on_the_tick_that_sees_it_though_quiet_ticks_skip_the_plan() -> None:
+    """The placement runs again only when its inputs changed (placement.replan_due): a verdict turning
+    DEAD and a registration are among them, so neither waits for the re-plan period."""
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        await step(ctl, clock, ("a", "b", "s"), n=3)  # less than REPLAN_EVERY_S since the plan found nothing
+        assert ctl.membership._planned is not None, "quiet ticks remember that the plan found nothing"
+        await ctl.membership.register(reg("c"))
+        hb(ctl, "c")
+        await step(ctl, clock, ("a", "b", "s", "c"))
+        assert store.world.ranks == ("a", "b", "c"), "joined on the next tick"
+        await step(ctl, clock, ("a", "b", "s", "c"), n=2)
+        epoch = store.world.epoch
+        ctl.membership.state.require_leader().liveness["b"].last_seen = clock.now - 10.0  # silent long enough
+        await step(ctl, clock, ("a", "s", "c"))
+        assert store.world.epoch == epoch + 1 and store.world.ranks == ("a", "s", "c"), "fenced on the same tick"
+        await ctl.stop()
+
+    run(scenario)

@@ -154,12 +154,12 @@ def test_a_manifest_is_checked_once_for_its_owner_and_its_buddys_replica(monkeyp
     assert (a0.writer, a0.replica, b0.writer, b0.replica) == ("a", False, "a", True)
     assert a0.files is b0.files and a0.checksum == b0.checksum
     bad = snap(5, 0, crc="zz")
-    assert isinstance(book.manifests.check(bad.manifest), str)  # a refusal is remembered too, as a reason
+    assert isinstance(book.manifests.check(bad), str)  # a refusal is remembered too, as a reason
 
 
 def test_the_manifest_cache_is_bounded_to_two_generations() -> None:
     cache = ledger.ManifestCache(size=3)
-    manifests = [snap(step, 0).manifest for step in range(1, 8)]
+    manifests = [snap(step, 0) for step in range(1, 8)]
     for m in manifests:
         assert isinstance(cache.check(m), ledger.Manifest)
     assert len(cache.new) + len(cache.old) <= 6 and len(cache.new) <= 3

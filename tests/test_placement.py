@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ftd.coordinator.detector import State, Verdict
 from ftd.coordinator.model import Fence, NodeRecord, Role, World
-from ftd.coordinator.placement import choose_spare, plan
+from ftd.coordinator.placement import REPLAN_EVERY_S, choose_spare, plan, replan_due
 
 ALIVE = Verdict(State.ALIVE, "heartbeating", 0.1)
 DEAD = Verdict(State.DEAD, "no heartbeat for 2.60s", 2.6)
@@ -104,3 +104,11 @@ def test_a_mass_failure_is_split_into_epochs_that_fit_one_transaction() -> None:
     assert p is not None and p.world is not None
     assert len(p.nodes) == 40 and len(p.world.ranks) == 60 and p.world.epoch == 2
     assert len(p.events) <= 2 * 40 + 1
+
+
+def test_a_plan_that_found_nothing_is_not_run_again_for_the_same_inputs_until_its_period() -> None:
+    key = (1, 7, 3, 2000, 41, (), (), ())
+    assert replan_due(10.0, key, None), "after a commit (or at first) every tick plans"
+    assert not replan_due(10.0 + REPLAN_EVERY_S - 0.01, key, (key, 10.0))
+    assert replan_due(10.0 + REPLAN_EVERY_S, key, (key, 10.0)), "what the key leaves out waits a period at most"
+    assert replan_due(10.1, (1, 7, 3, 2000, 42, (), (), ()), (key, 10.0)), "a verdict changed state: at once"
