@@ -135,9 +135,23 @@ def _leader(replicas: list[_Replica]) -> _Replica | None:
     return None
 
 
+def leader_udp_drops(pid: int) -> int | None:
+    """Datagrams dropped at the UDP sockets of process ``pid`` (the leader's beacon port): the ``drops``
+    column of /proc/net/udp{,6} for the sockets among its open files. The host's count below also has
+    the simulator's sockets, which drop echoes when a simulator process is busy."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+                  if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+        rows = [line.split() for name in ("udp", "udp6") if Path(f"/proc/net/{name}").exists()
+                for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]]
+        return sum(int(row[-1]) for row in rows if len(row) >= 13 and row[9] in inodes)
+    except (OSError, ValueError):
+        return None
+
+
 def udp_rcvbuf_errors() -> int | None:
-    """The host's UDP datagrams dropped for a full receive buffer (/proc/net/snmp ``RcvbufErrors``): on
-    this box mostly the leader's beacon port (the simulator's sockets receive only the echoes)."""
+    """The host's UDP datagrams dropped for a full receive buffer (/proc/net/snmp ``RcvbufErrors``): the
+    leader's beacon port (:func:`leader_udp_drops`) and the simulator's echo sockets."""
     try:
         lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Udp:")]
         return int(lines[1][lines[0].index("RcvbufErrors")])
@@ -319,11 +333,11 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             w.start()
         time.sleep(max(0.0, start_at + 5.0 - time.time()))  # all streams up, steady state
         m0, e0, t0 = scrape(leader.metrics), _etcd_sample(etcd), time.monotonic()
-        u0 = udp_rcvbuf_errors()
+        u0, d0 = udp_rcvbuf_errors(), leader_udp_drops(leader.proc.pid)
         c0 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
         time.sleep(max(0.0, window_end - time.time() - 0.5))
         m1, e1, t1 = scrape(leader.metrics), _etcd_sample(etcd), time.monotonic()
-        u1 = udp_rcvbuf_errors()
+        u1, d1 = udp_rcvbuf_errors(), leader_udp_drops(leader.proc.pid)
         c1 = {r.rid: cpu_seconds(r.proc.pid) for r in replicas}
         # Before the simulated agents stop (then all would die); from whichever replica leads now: an
         # overloaded leader may have lost its lease in the window (the figures then say so).
@@ -344,6 +358,7 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
                 time.sleep(max(0.0, min(killed + FAILOVER_WATCH_S, stop_at - 2.0) - time.time()))
                 u2 = udp_rcvbuf_errors()
                 failover["failover_udp_rcvbuf_errors"] = u2 - u1 if u1 is not None and u2 is not None else None
+                failover["failover_new_leader_beacon_drops"] = leader_udp_drops(new.proc.pid)  # since it started
                 try:  # from whichever replica leads now: the new leader may have lost its lease again
                     seen = _events((_leader(replicas) or new).address, operator)
                 except grpc.RpcError as exc:
@@ -392,12 +407,15 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             "stream_answers_per_s": round(delta(m0, m1, "ftd_coordinator_heartbeat_answers_total") / window, 1),
             "probes_per_s": round(delta(m0, m1, "ftd_coordinator_probes_total") / window, 1),
             "echoes_per_s": round(delta(m0, m1, "ftd_coordinator_beacon_echoes_total") / window, 1),
+            "memory_reports_deferred_per_s": round(delta(m0, m1, "ftd_coordinator_memory_reports_deferred_total")
+                                                   / window, 1),
             "p50_detection_s": _r(percentile(latencies, 50)), "p99_detection_s": _r(percentile(latencies, 99)),
             "detected": len(latencies), "missed": len(missed), "false_positives": len(false_pos),
             "missed_victims": sorted(f"{v} ({victims[v]}, {'died' if v in died else 'never stopped'}"
                                      f"{', registered' if v in up else ', never answered'})" for v in missed),
             "etcd_writes_per_s": round(revisions / window, 2),
             "udp_rcvbuf_errors": u1 - u0 if u0 is not None and u1 is not None else None,
+            "leader_beacon_drops": d1 - d0 if d0 is not None and d1 is not None else None,
             "coordinator_etcd_writes_per_s": round(delta(m0, m1, "ftd_coordinator_etcd_writes_total") / window, 2),
             "etcd_db_growth_bytes": int(e1.get("etcd_mvcc_db_total_size_in_bytes", 0)
                                         - e0.get("etcd_mvcc_db_total_size_in_bytes", 0)),
