@@ -139,9 +139,13 @@ def leader_udp_drops(pid: int) -> int | None:
     """Datagrams dropped at the UDP sockets of process ``pid`` (the leader's beacon port): the ``drops``
     column of /proc/net/udp{,6} for the sockets among its open files. The host's count below also has
     the simulator's sockets, which drop echoes when a simulator process is busy."""
+    inodes = set()
     try:
-        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-                  if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
         rows = [line.split() for name in ("udp", "udp6") if Path(f"/proc/net/{name}").exists()
                 for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]]
         return sum(int(row[-1]) for row in rows if len(row) >= 13 and row[9] in inodes)
@@ -407,8 +411,6 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
             "stream_answers_per_s": round(delta(m0, m1, "ftd_coordinator_heartbeat_answers_total") / window, 1),
             "probes_per_s": round(delta(m0, m1, "ftd_coordinator_probes_total") / window, 1),
             "echoes_per_s": round(delta(m0, m1, "ftd_coordinator_beacon_echoes_total") / window, 1),
-            "memory_reports_deferred_per_s": round(delta(m0, m1, "ftd_coordinator_memory_reports_deferred_total")
-                                                   / window, 1),
             "p50_detection_s": _r(percentile(latencies, 50)), "p99_detection_s": _r(percentile(latencies, 99)),
             "detected": len(latencies), "missed": len(missed), "false_positives": len(false_pos),
             "missed_victims": sorted(f"{v} ({victims[v]}, {'died' if v in died else 'never stopped'}"

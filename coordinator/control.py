@@ -42,7 +42,6 @@ from .lease_keeper import LeaseKeeper
 from .membership import Membership
 from .memory_mirror import MirrorFeed, MirrorFollower
 from .metrics import CoordinatorMetrics
-from .report_pacer import ReportPacer
 from .revocations import AccessKeeper
 from .rollbacks import RollbackKeeper
 from .settings import CoordinatorSettings
@@ -93,9 +92,7 @@ class Controller:
         self.catalog.buddy_of = self.membership.buddy_of
         self.catalog.address = self.catalog.floors.address = address
         self.catalog.memory_in_etcd = settings.memory_snapshots_in_etcd
-        # memory snapshots: soft state (memory_ledger.py), a step's burst of them paced (report_pacer.py)
-        self.reports = ReportPacer(self._take_memory, on_deferred=self.metrics.reports_deferred.inc)
-        self.membership.on_memory = self.reports.offer
+        self.membership.on_memory = self._take_memory  # memory snapshots: soft state (memory_ledger.py)
         self.mirror_feed = MirrorFeed(self.replica_id, lambda node: node in self.catalog.memory.reports, wall=wall)
         self.mirror = MirrorFollower(self.replica_id, self.catalog.memory, self.mirror_feed, settings.identity, clock,
                                      self.metrics.mirrored)
@@ -211,7 +208,6 @@ class Controller:
         set_identity(role="standby")
         self.membership.close_streams(errors.NotLeader(self.replica_id, "", f"stepped down ({reason})"))
         self.mirror_feed.close()
-        self.reports.clear()
 
     async def _suspend(self, reason: str) -> None:
         log.warning("suspending leadership: %s", reason)
@@ -221,7 +217,6 @@ class Controller:
         self.membership.close_streams(
             errors.NotLeader(self.replica_id, "", "cannot confirm its leadership (etcd unreachable)"))
         self.mirror_feed.close()
-        self.reports.clear()
 
     async def _standby_step(self) -> None:
         state = self.committer
@@ -418,7 +413,7 @@ class Controller:
         set_identity(replica=self.replica_id, role="standby")
         self.metrics.is_leader.set(0)
         self.metrics.recovery_open.set(0)
-        self._keeper_on = self.reports.enabled = True
+        self._keeper_on = True
         await asyncio.gather(self._leadership_loop(), self._tick_loop(), self._follow_loop())
 
     async def stop(self) -> None:
@@ -429,7 +424,6 @@ class Controller:
         self.committer.lease, self.committer.view = None, None
         self.membership.close_streams(errors.NotLeader(self.replica_id, "", "is shutting down"))
         self.mirror_feed.close()
-        self.reports.clear()
         if lease is not None:
             try:
                 await self.calls.lease("resign", self.store.resign, lease)

@@ -50,10 +50,6 @@ class CoordinatorMetrics:
         self.mirror_reports = Counter("ftd_coordinator_memory_mirror_reports_total",
                                       "Memory reports a standby followed from the leader's ledger (memory_mirror.py)",
                                       registry=r)
-        self.reports_deferred = Counter("ftd_coordinator_memory_reports_deferred_total",
-                                        "Memory reports queued behind a step's burst of them instead of taken at "
-                                        "once, so that the detection tick keeps its pace (report_pacer.py)",
-                                        registry=r)
         self.mirror_as_of = Gauge("ftd_coordinator_memory_mirror_as_of_unix_seconds",
                                   "A standby's followed memory ledger holds every report the leader took before "
                                   "this time (the leader's clock): now minus it is the mirror's lag", registry=r)
