@@ -22,7 +22,8 @@ import contextlib
 import logging
 import secrets
 import socket
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ MAX_BATCH = 512  # datagrams read per wake-up of the event loop
 # answer or an echo (coordinator_timeout_s + beacon_keepalive_s), so two echoes may be lost before it does.
 ECHO_EVERY_S = 2.0
 DRAIN_LIMIT = 100_000  # datagrams read before a tick judges (a 4 MiB buffer holds a few thousand)
+SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)  # Linux: the socket's memory counters, drops the ninth
+SK_MEMINFO_VARS = 9
 
 
 @dataclass(slots=True)
@@ -123,6 +126,19 @@ def probe_due(now: float, last_seen: float, beaconing: bool, probed_at: float | 
     return f"no beacon for {silent:.2f}s (suspect_after_s={suspect_after_s:g}): probing on the stream"
 
 
+def judged_on_beacons(now: float, last_judged: float | None, stall_after_s: float, lost: bool,
+                      beaconing: Callable[[], Iterable[str]]) -> frozenset[str]:
+    """The nodes judged on their own evidence though the leader did not judge for longer than
+    ``stall_after_s`` (detector.judge's ``watched``): those beaconing on an open stream (``beaconing``,
+    asked only then), provided the beacon port ``lost`` no datagram since the last judgement: whatever
+    they sent waited in the socket and was read before this judgement. Their deaths are then declared
+    on time instead of after a grace of ``dead_after_s`` granted to all; a full buffer, a port that
+    cannot say, or a node judged on its stream keep the grace."""
+    if lost or last_judged is None or now - last_judged <= stall_after_s:
+        return frozenset()
+    return frozenset(beaconing())
+
+
 def answer_due(now: float, last_write: float, quiet: bool, ack_interval_s: float, quiet_interval_s: float) -> bool:
     """Whether a stream's message is answered (news aside): at most every ``ack_interval_s``; a quiet
     stream's (``quiet_interval_s`` > 0) at most every ``quiet_interval_s``."""
@@ -185,14 +201,31 @@ class BeaconPort:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), protocol.drain, sock)
         self.protocol = protocol
+        self._drops = socket_drops(sock)
 
     def drain(self) -> None:
         """Every beacon waiting now (before a tick judges silences), bounded."""
         self.protocol.drain(self.sock, DRAIN_LIMIT)
 
+    def lost(self) -> bool:
+        """Whether the kernel dropped datagrams on this port since the last call (a full receive buffer),
+        or cannot say: then a gap of the leader's may have lost beacons (``Membership._watched``)."""
+        before, self._drops = self._drops, socket_drops(self.sock)
+        return before is None or self._drops is None or self._drops != before
+
     def close(self) -> None:
         self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
+
+
+def socket_drops(sock: socket.socket) -> int | None:
+    """Datagrams the kernel dropped at ``sock`` since it was opened (``SO_MEMINFO``), or None where the
+    option is missing (not Linux, a kernel before 3.19)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * SK_MEMINFO_VARS)
+    except OSError:
+        return None
+    return struct.unpack_from("=I", raw, 4 * (SK_MEMINFO_VARS - 1))[0] if len(raw) >= 4 * SK_MEMINFO_VARS else None
 
 
 async def listen(host: str, port: int, protocol: BeaconProtocol) -> tuple[BeaconPort, int]:

@@ -12,7 +12,9 @@ deadline, so a failover cannot kill a live node; the deadline is stretched while
 their streams (:func:`reconnect_grace_until`), and a node heard from again keeps it (:class:`Reconnects`).
 If the judge itself was not run for longer than ``stall_after_s`` (the coordinator was starved of CPU)
 every silence is suspect evidence, so the caller must grant grace rather than act; :func:`judge` says
-so in :attr:`Judgement.stalled`.
+so in :attr:`Judgement.stalled`. The exception are the ``watched`` nodes: their evidence waited for the
+leader (beacons queued in a socket that lost none, read before the judgement), so their silence is
+theirs, and a death during a busy moment of the leader is not declared 2.5 s late.
 
 A *mass silence* (:func:`mass_hold`) is the other way the leader's own state shows: more than a
 fraction of the nodes falling silent together is far likelier the leader being overloaded (a
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,9 +118,11 @@ def judge(
     settings: DetectorSettings,
     last_judged: float | None = None,
     previous: Mapping[str, Verdict] | None = None,
+    watched: Collection[str] = (),
 ) -> Judgement:
     """Judges every node. ``last_judged`` is when the previous judgement ran; a gap longer than
-    ``stall_after_s`` means this process was not running, so silences are not evidence.
+    ``stall_after_s`` means this process was not running, so silences are not evidence, but for the
+    ``watched`` nodes' (their evidence was kept for the leader: see the module's note).
 
     With ``previous`` (the last judgement's verdicts) a node heard from within ``suspect_after_s``,
     connected and out of grace keeps its previous "heartbeating" verdict object as it was, and one heard
@@ -131,7 +135,7 @@ def judge(
         verdicts: dict[str, Verdict] = {}
         for node_id, live in table.items():
             verdict = judge_one(now, live, settings)
-            if verdict.state is State.DEAD:
+            if verdict.state is State.DEAD and node_id not in watched:
                 verdict = Verdict(State.SUSPECT, f"{verdict.reason}; not judged: {reason}", verdict.silent_s)
             verdicts[node_id] = verdict
         return Judgement(verdicts, stalled=True, stall_reason=reason)

@@ -131,6 +131,7 @@ async def serve(settings: CoordinatorSettings) -> int:
                                                    "" if ahost in ("0.0.0.0", "::", "") else ahost,
                                                    settings.quiet_answer_interval_s)
         controller.membership.drain_beacons = beacon_transport.drain
+        controller.membership.beacons_lost = beacon_transport.lost
     await server.start()
     metrics_address = start_http(settings.metrics_listen, controller, metrics)
     logs.set_identity(replica=controller.replica_id)

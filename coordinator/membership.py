@@ -27,7 +27,7 @@ from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import buddies, errors, handover_rules, rate_limits, validation
 from .admission import check_heartbeat, decide_registration, validate_register
-from .beacon_listener import BeaconBook, BeaconKey, admit, answer_due, echo_due, probe_due
+from .beacon_listener import BeaconBook, BeaconKey, admit, answer_due, echo_due, judged_on_beacons, probe_due
 from .detector import RECONNECT_MAX, Hold, Liveness, Reconnects, State, Verdict, judge, mass_hold
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
@@ -44,6 +44,7 @@ log = logging.getLogger("ftd.coordinator")
 ACK, PUSH = "ack", "push"
 GC_PERIOD_S = 30.0  # how often the tick looks for fenced node records past their retention
 GC_MAX_PER_COMMIT = 50
+GONE = Liveness(last_seen=0.0)  # a stream's node the view no longer knows: not connected
 
 
 @dataclass(eq=False)
@@ -88,6 +89,7 @@ class Membership:
         # Set by main: reads every beacon waiting on the port, so that a tick never judges a silence
         # whose beacons are queued in the socket (the loop was busy with other work).
         self.drain_beacons: Callable[[], None] = lambda: None
+        self.beacons_lost: Callable[[], bool] = lambda: True  # set by main: the port dropped datagrams since asked
         self.recovery = RecoveryTracker()
         self.changed = False  # membership changed since the gauges were last published
         self._lock = asyncio.Lock()
@@ -534,22 +536,25 @@ class Membership:
             storm.logged = True
             log.warning("nodes still re-open their streams %.1fs after the election: the unheard keep their grace "
                         "while nodes arrive (%.0fs at most)", now - storm.since, RECONNECT_MAX * storm.grace_s)
-        judgement = judge(now, view.liveness, detector, self._last_judged, before_all)
+        watched = judged_on_beacons(now, self._last_judged, detector.stall_after_s, self.beacons_lost(), lambda: (
+            n for n, s in self.streams.items() if s.beaconing and s.beacon and view.liveness.get(n, GONE).connected))
+        judgement = judge(now, view.liveness, detector, self._last_judged, before_all, watched)
         self._last_judged = now
         changed = len(judgement.verdicts) != len(before_all)
         if judgement.stalled:
             self.metrics.stalls.inc()
-            log.warning("%s; granting every node %.1fs of grace", judgement.stall_reason, detector.dead_after_s)
-            for live in view.liveness.values():
-                live.grace_until = max(live.grace_until, now + detector.dead_after_s)
+            log.warning("%s; granting %d node(s) %.1fs of grace (%d judged on their beacons, none lost)",
+                        judgement.stall_reason, len(view.liveness) - len(watched), detector.dead_after_s, len(watched))
+            for node_id, live in view.liveness.items():
+                if node_id not in watched:
+                    live.grace_until = max(live.grace_until, now + detector.dead_after_s)
         for node_id in list(view.forced_dead):
             node = view.nodes.get(node_id)
             if node is None or node.fenced:
                 del view.forced_dead[node_id]
         forced = view.forced_dead
         verdicts = dict(judgement.verdicts)
-        if not judgement.stalled:
-            self._hold_mass(view, now, verdicts)
+        self._hold_mass(view, now, verdicts)  # after a stall only the watched can be dying
         for node_id, verdict in verdicts.items():
             before = before_all.get(node_id)
             if before is verdict or node_id in forced:

@@ -53,6 +53,13 @@ def test_a_stalled_judge_declares_nobody_dead() -> None:
     assert normal.verdicts["a"].state is State.DEAD and normal.verdicts["b"].state is State.ALIVE
 
 
+def test_a_stalled_judge_still_declares_the_watched_whose_evidence_waited_for_it() -> None:
+    table = {"a": Liveness(last_seen=100.0, connected=True), "b": Liveness(last_seen=100.0, connected=True)}
+    stalled = judge(104.0, table, S, last_judged=102.0, watched={"a"})
+    assert stalled.stalled and stalled.verdicts["a"].state is State.DEAD
+    assert stalled.verdicts["b"].state is State.SUSPECT
+
+
 def test_sigkill_detection_bound_of_the_defaults() -> None:
     """A SIGKILLed agent closes its socket at once: with heartbeats every 0.5 s and a 0.1 s tick,
     the worst case is bounded well under 3 s; a silent (hung) node under 3 s too."""
