@@ -209,7 +209,7 @@ class BeaconPort:
 
     def lost(self) -> bool:
         """Whether the kernel dropped datagrams on this port since the last call (a full receive buffer),
-        or cannot say: then a gap of the leader's may have lost beacons (``Membership._watched``)."""
+        or cannot say: then a gap of the leader's may have lost beacons (:func:`judged_on_beacons`)."""
         before, self._drops = self._drops, socket_drops(self.sock)
         return before is None or self._drops is None or self._drops != before
 

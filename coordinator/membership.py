@@ -543,7 +543,7 @@ class Membership:
         changed = len(judgement.verdicts) != len(before_all)
         if judgement.stalled:
             self.metrics.stalls.inc()
-            log.warning("%s; granting %d node(s) %.1fs of grace (%d judged on their beacons, none lost)",
+            log.warning("%s; granting %d node(s) %.1fs of grace (%d judged on the beacons queued for it)",
                         judgement.stall_reason, len(view.liveness) - len(watched), detector.dead_after_s, len(watched))
             for node_id, live in view.liveness.items():
                 if node_id not in watched:
