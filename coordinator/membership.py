@@ -596,4 +596,3 @@ class Membership:
         for n in (n for n in dying if verdicts[n].silent_s < hold.declare_over):
             v, left = verdicts[n], hold.until - now
             verdicts[n] = Verdict(State.SUSPECT, f"{v.reason}; held {left:.1f}s more: mass silence", v.silent_s)
-
