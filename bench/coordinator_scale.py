@@ -363,6 +363,11 @@ def run_one(n: int, args: argparse.Namespace, work: Path, path: str, tls: bool =
                 u2 = udp_rcvbuf_errors()
                 failover["failover_udp_rcvbuf_errors"] = u2 - u1 if u1 is not None and u2 is not None else None
                 failover["failover_new_leader_beacon_drops"] = leader_udp_drops(new.proc.pid)  # since it started
+                with contextlib.suppress(OSError):  # beacons it read and refused, by reason (unknown_key: a
+                    # beacon under a stream's key it does not hold, e.g. sent before the agent's new stream's answer)
+                    failover["failover_new_leader_beacons_refused"] = {
+                        k.split('reason="', 1)[1].split('"', 1)[0]: int(v) for k, v in scrape(new.metrics).items()
+                        if k.startswith("ftd_coordinator_beacons_dropped_total{") and 'reason="' in k and v}
                 try:  # from whichever replica leads now: the new leader may have lost its lease again
                     seen = _events((_leader(replicas) or new).address, operator)
                 except grpc.RpcError as exc:
