@@ -86,7 +86,7 @@ class CatalogKeeper:
         # Memory snapshots: soft state of the leader (memory_ledger.py), merged in when records are read.
         self.memory = ledger.MemoryLedger()
         self.memory_deadline_s = memory_deadline_s
-        self.floors = FloorKeeper(state)  # the newest step answered, in etcd (restore_floors.py)
+        self.floors = FloorKeeper(state)  # the newest step answered, in etcd (floor_keeper.py)
         self.address = ""  # this replica's address: where a refused restore target is retried (ReportsPending)
         # Merged records (merge_cache.py) and restore targets are cached until the ledger, the durable
         # records or the nodes' states change: after a failure every rank asks for the same target at once.

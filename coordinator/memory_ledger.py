@@ -94,16 +94,13 @@ def check_manifest(man: checkpoint_pb2.ShardManifest) -> Manifest | str:
     created = man.created_unix_s
     if not math.isfinite(created) or created < 0:
         return f"{job} step {step} rank {rank}: created_unix_s {created}"
-    files = []
+    files = tuple([FileEntry(f.name, f.size, f.crc32c) for f in listed])
     size = 0
-    for f in listed:  # one pass, each field read once (a protobuf field read costs as much as the check)
-        entry = FileEntry(f.name, f.size, f.crc32c)
-        if entry.size < 0 or len(entry.crc32c) != 8:
+    for f in files:
+        if f.size < 0 or len(f.crc32c) != 8:
             return f"{job} step {step} rank {rank}: a file without a size or an 8-hex-digit crc32c"
-        size += entry.size
-        files.append(entry)
-    kept = tuple(files)
-    return Manifest(job, step, man.epoch, rank, world, man.format, kept, files_checksum(kept), created, size)
+        size += f.size
+    return Manifest(job, step, man.epoch, rank, world, man.format, files, files_checksum(files), created, size)
 
 
 _GOOD_JOBS: set[str] = set()  # job ids that passed check_job (a regex per manifest otherwise)
