@@ -107,10 +107,13 @@ def etcd_member_kill(ctx: Context) -> Outcome:
         checks.append(Check("etcd_quorum_kept", new_leader in others,
                             f"etcd{victim} (the leader, pid {pid}) killed; etcd{new_leader} leads the other two"))
         seen = watch(ctx.cluster, seconds=5.0)
-        # Not a failure by itself: when electing etcd's new leader outlasts 2/3 of the coordinator's
-        # lease TTL, the coordinator suspends its leadership for a moment and every agent reconnects.
+        # Not a failure by itself: when electing etcd's new leader outlasts 5/6 of the coordinator's
+        # lease TTL (confirmed up to a third of a TTL before the kill), the coordinator suspends its
+        # leadership for a moment, refuses a status call (UNAVAILABLE, retried for the call's 1 s
+        # deadline) and every agent reconnects. What an operator must see is an answer at least every
+        # 2 s: the gap bounds the suspension, the failures are reported.
         renewed = _reconnects(ctx) - sessions
-        served = seen.status_failed == 0 and seen.longest_gap_s < 2.0
+        served = seen.status_ok > 0 and seen.longest_gap_s < 2.0
         checks.append(Check("coordinator_served", served,
                             f"{seen.status_ok} status answers, {seen.status_failed} failed, longest gap "
                             f"{seen.longest_gap_s:.2f}s while etcd{victim} was down"))
