@@ -107,11 +107,11 @@ class Committer:
             self._errors.log(logging.ERROR, f"rejected:{kind}", "etcd rejected a %s commit, nothing changed: %s",
                              kind, exc)
             raise errors.StateRejected(f"not committed: {exc}") from exc
-        except StaleStateError:
+        except StaleStateError as exc:
             self.metrics.etcd_errors.labels("commit_stale").inc()
             log.warning("commit refused by its guard; re-checking leadership and reloading state")
             self.reload_wanted = True
-            raise
+            raise errors.CommitGuardFailed(f"not committed: {exc}; this replica re-checks its leadership") from exc
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
         self.metrics.etcd_writes.labels(kind).inc()
         view.last_event_seq = last_seq

@@ -45,7 +45,7 @@ from .metrics import CoordinatorMetrics
 from .revocations import AccessKeeper
 from .rollbacks import RollbackKeeper
 from .settings import CoordinatorSettings
-from .store import Lease, StaleStateError, StateStore, StoreRejected, StoreUnavailable
+from .store import Lease, StateStore, StoreRejected, StoreUnavailable
 from .store_calls import StoreCalls
 from .straggler_watch import StragglerWatch
 
@@ -195,7 +195,7 @@ class Controller:
         if len(problems) > MAX_PROBLEM_EVENTS:
             events.append(("corrupt_record", "", f"... and {len(problems) - MAX_PROBLEM_EVENTS} more corrupt records"))
         # The events are informational; if they cannot be written the keep-alive loop sorts leadership out.
-        with contextlib.suppress(errors.StateUnavailable, errors.StateRejected, StaleStateError):
+        with contextlib.suppress(errors.StateUnavailable, errors.StateRejected):
             await state.commit("leader", events=events)
 
     async def _step_down(self, reason: str) -> None:

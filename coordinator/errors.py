@@ -87,6 +87,12 @@ class StateUnavailable(CoordinatorError):
     """The state store (etcd) could not be reached, so the change was not made."""
 
 
+class CommitGuardFailed(StateUnavailable):
+    """etcd refused a commit on its guard (this replica's lease no longer leads, or the world changed
+    since it was read): nothing was written, and the leader re-checks its lease and reloads. Retryable
+    like an unreachable etcd, which is why it is one (a caller's retry reaches the leader of then)."""
+
+
 class StateRejected(CoordinatorError):
     """etcd refused the change itself (its database is full: the NOSPACE alarm; a transaction over
     ``--max-txn-ops``); nothing was written. Resending it unchanged does not help until an operator

@@ -21,7 +21,6 @@ from . import errors
 from . import goodput as gp
 from .leader_state import LeaderState
 from .rendezvous import JobState
-from .store import StaleStateError
 
 log = logging.getLogger("ftd.coordinator.goodput")
 SAVE_EVERY_S = 15.0
@@ -117,7 +116,7 @@ class GoodputWatch:
         if not due:
             return
         puts = {gp.key(j): gp.encode(self.ledgers[j]) for j in sorted(due)}
-        with contextlib.suppress(errors.StateUnavailable, errors.StateRejected, errors.NotLeader, StaleStateError):
+        with contextlib.suppress(errors.StateUnavailable, errors.StateRejected, errors.NotLeader):
             await self.state.commit("goodput", kv_puts=puts)
             self._urgent -= due
             self._saved_at.update(dict.fromkeys(due, now))

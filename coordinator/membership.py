@@ -36,7 +36,6 @@ from .placement import collectable, plan, replan_due
 from .recovery import RecoveryTracker
 from .revocations import admitted
 from .settings import CoordinatorSettings
-from .store import StaleStateError
 from .view import ClusterView, Runtime
 
 log = logging.getLogger("ftd.coordinator")
@@ -419,7 +418,7 @@ class Membership:
         try:
             await self.state.commit("epoch" if step.world else "fence", nodes=step.nodes, world=step.world,
                                     events=step.events, kv_deletes=[handover_rules.key(n) for n in handed])
-        except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
+        except (errors.StateUnavailable, errors.StateRejected, errors.NotLeader):
             self.changed = True  # publish the gauges now: they show what the leader could not fix
             return
         in_job = step.world is not None and view.current_job() is not None  # training was interrupted
@@ -465,7 +464,7 @@ class Membership:
                  f"{self.fenced_node_retention_s:.0f}s ago: {shown}")
         try:
             await self.state.commit("gc", node_deletes=gone, events=[event])
-        except (errors.StateUnavailable, errors.StateRejected, StaleStateError, errors.NotLeader):
+        except (errors.StateUnavailable, errors.StateRejected, errors.NotLeader):
             return
         for node_id in gone:
             view.forget(node_id)

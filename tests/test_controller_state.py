@@ -82,6 +82,28 @@ def test_errors_map_once_to_grpc_codes_and_keep_validator_messages_whole() -> No
     assert errors.grpc_code(invalid) is grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_commit_refused_by_its_guard_is_retryable_unavailable_and_writes_nothing() -> None:
+    """A leader deposed behind its back (another replica holds the lease in the store) commits a
+    registration: etcd's guard refuses it. The caller gets UNAVAILABLE naming the replica (it was
+    INTERNAL, "coordinator bug", under the scale bench's load), nothing is written, and the replica
+    re-checks its leadership and reloads."""
+    async def scenario() -> None:
+        clock, store = Clock(), MemoryStore()
+        store.clock = clock
+        ctl = make(store, clock)
+        await cluster(ctl, clock)
+        assert ctl.committer.lease is not None
+        store.resign(ctl.committer.lease)
+        assert store.campaign("c1", "127.0.0.1:7401", ttl_s=3, now_unix=WALL + clock.now) is not None
+        with pytest.raises(errors.CommitGuardFailed, match="c0") as refused:
+            await ctl.membership.register(reg("x"))
+        assert errors.grpc_code(refused.value) is grpc.StatusCode.UNAVAILABLE
+        assert "x" not in store.load().nodes and ctl.committer.reload_wanted
+        await ctl.stop()
+
+    run(scenario)
+
+
 # ---- issue 11: stored-state trust, NOSPACE, bounded inputs ------------------------------------------
 
 
