@@ -165,6 +165,37 @@ def leader_and_node_kill(ctx: Context) -> Outcome:
                    checks)
 
 
+DETECT_BOUND_S = 5.0  # the lab's detection bound: dead_after_s (2.5 s) plus ticks, on a loaded box
+
+
+def standby_and_node_kill(ctx: Context) -> Outcome:
+    """A hot standby coordinator and an active node SIGKILLed together. Every agent keeps a warm
+    channel to the standby and the standby follows the leader's memory ledger; its death must neither
+    hide the dead node (declared within the detection bound, the spare takes its rank) nor make a live
+    one look dead, and the leader keeps leading: no election, no other death."""
+    b = ctx.baseline()
+    leader = str(ctx.status().leader_id)
+    standby = next(c for c in ctx.cluster.coordinators if c.name != leader)
+    victim = b.world[-1]
+    killed_at = time.time()
+    signal_all([standby.pid, ctx.agent(victim).pid, *ctx.worker_pids(victim)], signal.SIGKILL)
+    checks = [promoted(ctx, {victim}, b.spares)]
+    events = [e for e in ctx.events() if int(e["seq"]) > b.last_seq]
+    dead_at = [float(e["at_unix_s"]) for e in events if e["kind"] == "node_dead" and e.get("node_id") == victim]
+    took = dead_at[0] - killed_at if dead_at else None
+    checks.append(Check("death_not_hidden", took is not None and took <= DETECT_BOUND_S,
+                        f"{victim} declared dead {took:.2f}s after the kill (bound {DETECT_BOUND_S:g}s)"
+                        if took is not None else f"no node_dead event for {victim}"))
+    ctx.wait_progress(10, RECOVER_S)
+    elected = [e for e in ctx.events() if int(e["seq"]) > b.last_seq and e["kind"] == "leader_elected"]
+    status = ctx.status()
+    checks.append(Check("leader_kept", status.leader_id == leader and not elected and not still_running(
+        [standby.pid], 0.0), f"{status.leader_id} leads ({leader} before); {len(elected)} election(s); standby "
+                         f"{standby.name} (pid {standby.pid}) killed"))
+    return Outcome(b, frozenset({victim}), f"standby {standby.name} and {victim} killed together; {leader} led on",
+                   checks)
+
+
 SCENARIOS = [
     Scenario("agent-kill", "the agent alone SIGKILLed: node declared dead, spare promoted, orphans stop",
              agent_kill),
@@ -178,4 +209,7 @@ SCENARIOS = [
     Scenario("leader-and-node-kill", "the leading coordinator and an active node SIGKILLed together: the standby "
              "that followed the memory ledger takes over, the node is declared dead, the job resumes from memory",
              leader_and_node_kill, Shape(coordinators=2)),
+    Scenario("standby-and-node-kill", "a hot standby coordinator and an active node SIGKILLed together: the "
+             "node is declared dead within the bound, nobody else, the leader leads on", standby_and_node_kill,
+             Shape(coordinators=2)),
 ]
