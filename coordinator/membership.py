@@ -33,7 +33,7 @@ from .drains import handovers_due
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
-from .placement import collectable, plan, replan_due
+from .placement import collectable, joins_due, plan, replan_due
 from .recovery import RecoveryTracker
 from .registrations import GroupCommit, group_size
 from .revocations import admitted
@@ -416,11 +416,13 @@ class Membership:
         self._judge(view, now)
         planned = handovers_due(view, self.wall(), self.settings.handover)
         inputs = (id(view), view.world_revision, view.last_event_seq, len(view.nodes), self._transitions,
-                  tuple(view.forced_dead), tuple(sorted(planned)), tuple(view.drains))
+                  tuple(view.forced_dead), tuple(sorted(planned)), tuple(view.drains),
+                  joins_due(self.wall(), view.world.changed_unix_s, self.settings.join_every_s))
         step = None
         if replan_due(now, inputs, self._planned):
             step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
-                        self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
+                        self.settings.max_fences_per_epoch, self._unfit_spares(view), planned,
+                        self.settings.join_every_s)
             self._planned = (inputs, now) if step is None else None
         if step is None:
             if now - self._gc_at >= GC_PERIOD_S:
