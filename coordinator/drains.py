@@ -16,9 +16,7 @@ from collections.abc import Callable
 from ftd.v1 import coordinator_pb2
 
 from . import errors, handover_rules, validation
-from .detector import State, Verdict
 from .leader_state import LeaderState
-from .view import ClusterView
 
 log = logging.getLogger("ftd.coordinator.drains")
 MAX_REASON = 300
@@ -66,26 +64,3 @@ class DrainKeeper:
             self.push_all()
             self.wake()
             return coordinator_pb2.DrainResponse(accepted=view.rank_of(node_id) >= 0, message=message)
-
-
-def handovers_due(view: ClusterView, now: float, policy: handover_rules.HandoverPolicy) -> set[str]:
-    """Marks the drained nodes whose hand-over is due at wall-clock ``now`` as leaving (a verdict the
-    placement acts on) and returns them; a drain whose node is gone already is dropped."""
-    due: set[str] = set()
-    job = view.current_job()
-    for node_id, drain in list(view.drains.items()):
-        node = view.nodes.get(node_id)
-        if node is None or node.fenced:
-            view.drains.pop(node_id, None)
-            continue
-        in_job = job is not None and not job.closed and view.rank_of(node_id) >= 0
-        restore = view.newest_restorable(job.job) if job is not None else -1
-        parked = handover_rules.parked_step_of([
-            rt.progress.parked_step for n in view.world.ranks
-            if (rt := view.runtime.get(n)) is not None and rt.progress is not None
-            and rt.progress.HasField("parked_step")]) if in_job else None
-        ready, why = handover_rules.handover_due(now, drain, restore, in_job, policy, parked)
-        if ready:
-            view.verdicts[node_id] = Verdict(State.DEAD, f"planned hand-over ({drain.reason}): {why}", 0.0)
-            due.add(node_id)
-    return due

@@ -26,16 +26,14 @@ from ftd.promotion_fitness import eligible_for_promotion
 from ftd.v1 import cluster_pb2, coordinator_pb2
 
 from . import buddies, errors, handover_rules, rate_limits, validation
-from .admission import Admission, check_heartbeat, decide_registration, validate_register
+from .admission import check_heartbeat, decide_registration, validate_register
 from .beacon_listener import BeaconBook, BeaconKey, admit, answer_due, echo_due, judged_on_beacons, probe_due
 from .detector import RECONNECT_MAX, Hold, Liveness, Reconnects, State, Verdict, judge, mass_hold
-from .drains import handovers_due
 from .guard_metrics import guard_metrics
 from .leader_state import LeaderState
 from .metrics import CoordinatorMetrics
-from .placement import collectable, joins_due, plan, replan_due
+from .placement import collectable, plan, replan_due
 from .recovery import RecoveryTracker
-from .registrations import GroupCommit, group_size
 from .revocations import admitted
 from .settings import CoordinatorSettings
 from .view import ClusterView, Runtime
@@ -46,7 +44,6 @@ ACK, PUSH = "ack", "push"
 GC_PERIOD_S = 30.0  # how often the tick looks for fenced node records past their retention
 GC_MAX_PER_COMMIT = 50
 GONE = Liveness(last_seen=0.0)  # a stream's node the view no longer knows: not connected
-Registered = coordinator_pb2.RegisterResponse | errors.CoordinatorError
 
 
 @dataclass(eq=False)
@@ -95,8 +92,6 @@ class Membership:
         self.recovery = RecoveryTracker()
         self.changed = False  # membership changed since the gauges were last published
         self._lock = asyncio.Lock()
-        self.registrations = GroupCommit(self._register_group, group_size(settings.etcd_max_txn_ops),
-                                         key=lambda req: req.node_id)
         self._last_judged: float | None = None
         self._transitions = 0  # verdict state changes: part of the key of the placement's inputs
         self._planned: tuple[object, float] | None = None  # the key and time of the last plan that found nothing
@@ -136,39 +131,31 @@ class Membership:
     # ---- registration ------------------------------------------------------------------------
 
     async def register(self, req: coordinator_pb2.RegisterRequest) -> coordinator_pb2.RegisterResponse:
-        """Decided and committed with the others waiting (registrations.py: one transaction a group)."""
         validate_register(req)
         self.limiter.check("Register", req.node_id)
-        return await self.registrations.submit(req)
-
-    async def _register_group(self, reqs: list[coordinator_pb2.RegisterRequest]) -> list[Registered]:
         async with self._lock:
             view = self.state.require_leader()
-            now, wall = self.clock(), self.wall()
-            decided = [decide_registration(view, r, wall, admitted(view, r.node_id), self._preadmitted) for r in reqs]
-            new = [(r, d) for r, d in zip(reqs, decided, strict=True) if isinstance(d, Admission) and d.record]
-            if new:
-                try:
-                    await self.state.commit("register", nodes=[d.record for _, d in new if d.record], events=[
-                        ("node_registered", r.node_id, f"{r.node_id} on {r.host}: {d.message}") for r, d in new])
-                except errors.CoordinatorError as exc:  # none of the group was written
-                    decided = [exc if isinstance(d, Admission) and d.record else d for d in decided]
-                    new = []
-            for req, _ in new:
-                view.liveness[req.node_id] = Liveness(last_seen=now)
-                view.runtime[req.node_id] = Runtime(incarnation=req.incarnation)
-                view.verdicts.pop(req.node_id, None)
-                old = self.streams.pop(req.node_id, None)
-                if old is not None and old.incarnation != req.incarnation:
-                    old.close(errors.StaleIncarnation(f"node {req.node_id} re-registered as a new incarnation"))
-            if new:
-                shown = "; ".join(f"{r.node_id} from {r.host} ({d.message})" for r, d in new[:20])
-                log.info("%d node(s) registered: %s%s", len(new), shown, " ..." if len(new) > 20 else "")
-                self.changed = self._peers_stale = True
-                self.wake()
-            return [d if isinstance(d, errors.CoordinatorError) else coordinator_pb2.RegisterResponse(
-                assignment=self.assignment(view, r.node_id, True), message=d.message)
-                for r, d in zip(reqs, decided, strict=True)]
+            now = self.clock()
+            decision = decide_registration(view, req, self.wall(), admitted(view, req.node_id), self._preadmitted)
+            if isinstance(decision, errors.CoordinatorError):
+                raise decision
+            if decision.record is None:
+                return coordinator_pb2.RegisterResponse(assignment=self.assignment(view, req.node_id, True),
+                                                        message=decision.message)
+            message = decision.message
+            event = ("node_registered", req.node_id, f"{req.node_id} on {req.host}: {message}")
+            await self.state.commit("register", nodes=[decision.record], events=[event])
+            view.liveness[req.node_id] = Liveness(last_seen=now)
+            view.runtime[req.node_id] = Runtime(incarnation=req.incarnation)
+            view.verdicts.pop(req.node_id, None)
+            old = self.streams.pop(req.node_id, None)
+            if old is not None and old.incarnation != req.incarnation:
+                old.close(errors.StaleIncarnation(f"node {req.node_id} re-registered as a new incarnation"))
+            log.info("node %s registered from %s (%s)", req.node_id, req.host, message)
+            self.changed = self._peers_stale = True
+            self.wake()
+            return coordinator_pb2.RegisterResponse(assignment=self.assignment(view, req.node_id, True),
+                                                    message=message)
 
     # ---- heartbeats (the hot path: memory only) ----------------------------------------------
 
@@ -414,15 +401,13 @@ class Membership:
         self.drain_beacons()
         now = self.clock()
         self._judge(view, now)
-        planned = handovers_due(view, self.wall(), self.settings.handover)
+        planned = self._handovers_due(view)
         inputs = (id(view), view.world_revision, view.last_event_seq, len(view.nodes), self._transitions,
-                  tuple(view.forced_dead), tuple(sorted(planned)), tuple(view.drains),
-                  joins_due(self.wall(), view.world.changed_unix_s, self.settings.join_every_s))
+                  tuple(view.forced_dead), tuple(sorted(planned)), tuple(view.drains))
         step = None
         if replan_due(now, inputs, self._planned):
             step = plan(self.wall(), view.world, view.nodes, view.verdicts, self.settings.domain_label,
-                        self.settings.max_fences_per_epoch, self._unfit_spares(view), planned,
-                        self.settings.join_every_s)
+                        self.settings.max_fences_per_epoch, self._unfit_spares(view), planned)
             self._planned = (inputs, now) if step is None else None
         if step is None:
             if now - self._gc_at >= GC_PERIOD_S:
@@ -486,6 +471,29 @@ class Membership:
         guard_metrics(self.metrics.registry).nodes_collected.inc(len(gone))
         log.info("%s", event[2])
         self.changed = self._peers_stale = True
+
+    def _handovers_due(self, view: ClusterView) -> set[str]:
+        """Marks the drained nodes whose hand-over is due as leaving (a verdict the placement acts on)
+        and returns them; a drain whose node is gone already is dropped."""
+        due: set[str] = set()
+        job = view.current_job()
+        for node_id, drain in list(view.drains.items()):
+            node = view.nodes.get(node_id)
+            if node is None or node.fenced:
+                view.drains.pop(node_id, None)
+                continue
+            in_job = job is not None and not job.closed and view.rank_of(node_id) >= 0
+            restore = view.newest_restorable(job.job) if job is not None else -1
+            parked = handover_rules.parked_step_of([
+                rt.progress.parked_step for n in view.world.ranks
+                if (rt := view.runtime.get(n)) is not None and rt.progress is not None
+                and rt.progress.HasField("parked_step")]) if in_job else None
+            ready, why = handover_rules.handover_due(self.wall(), drain, restore, in_job, self.settings.handover,
+                                                     parked)
+            if ready:
+                view.verdicts[node_id] = Verdict(State.DEAD, f"planned hand-over ({drain.reason}): {why}", 0.0)
+                due.add(node_id)
+        return due
 
     def _unfit_spares(self, view: ClusterView) -> dict[str, str]:
         """Spares that may not take a rank now, with why: a failing (or stale) health verdict, or a

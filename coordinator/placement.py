@@ -78,7 +78,6 @@ def plan(
     max_fences: int = 40,
     unfit: Mapping[str, str] | None = None,
     leaving: Collection[str] = (),
-    join_every_s: float = 0.0,
 ) -> Plan | None:
     """The next membership step, or ``None`` when the world is as it should be.
 
@@ -148,7 +147,7 @@ def plan(
          if n.requested_role is Role.ACTIVE and not n.fenced and n.node_id not in in_world
          and n.node_id not in updates and _alive(verdicts, n.node_id)),
         key=lambda n: (n.registered_unix_s, n.node_id),
-    ) if updates or joins_due(now_unix, world.changed_unix_s, join_every_s) else []
+    )
     for node in joiners:
         new_ranks.append(node.node_id)
         target += 1
@@ -184,15 +183,6 @@ def plan(
                    for k, v in updates.items()}
     summary = new_world.reason if new_world else "; ".join(e[2] for e in events)
     return Plan(new_world, tuple(updates.values()), tuple(events), summary, tuple(dead))
-
-
-def joins_due(now_unix: float, world_changed_unix_s: float, join_every_s: float) -> bool:
-    """Whether joining nodes alone may change the world now: at most every ``join_every_s``. Every
-    epoch is pushed to every node, so thousands of nodes starting together must not commit one per
-    tick (at 5,000 simulated nodes registering in seconds: 229 epochs, ~14,000 answers a second, and
-    the leader too busy to hear beacons); the joins waiting go together in the next epoch, and a
-    death's epoch takes them at once (plan's ``updates``)."""
-    return now_unix - world_changed_unix_s >= join_every_s
 
 
 def replan_due(now: float, inputs: Hashable, last: tuple[Hashable, float] | None,

@@ -76,10 +76,6 @@ class CoordinatorSettings:
     max_events: int = setting(1000, "event log entries kept in etcd", "events")
     etcd_max_txn_ops: int = setting(128, "etcd's --max-txn-ops; bounds how many nodes one epoch change fences",
                                     "operations")
-    join_every_s: float = setting(
-        1.0, "joining nodes alone change the world at most this often (the joins waiting go together in the "
-             "next epoch; a death's epoch takes them at once): a cluster starting on thousands of nodes commits "
-             "a few epochs, each pushed to every node, not one per tick", "s")
     spare_health_max_age_s: float = setting(
         60.0, "a spare's health verdict older than this does not count as healthy when promoting", "s")
     require_spare_health: bool = setting(
@@ -199,7 +195,6 @@ class CoordinatorSettings:
         require(self.failover_grace_s >= 0, "failover_grace_s", f"must be >= 0 (got {self.failover_grace_s})")
         require(0 <= self.memory_report_deadline_s <= 300, "memory_report_deadline_s",
                 f"must be in [0, 300], got {self.memory_report_deadline_s}")
-        require(0 <= self.join_every_s <= 60, "join_every_s", f"must be in [0, 60], got {self.join_every_s}")
         require(0 < self.tick_s <= self.suspect_after_s / 2, "tick_s",
                 f"must be in (0, suspect_after_s/2], got {self.tick_s}")
         require(0 < self.heartbeat_ack_interval_s <= self.dead_after_s, "heartbeat_ack_interval_s",

@@ -112,16 +112,3 @@ def test_a_plan_that_found_nothing_is_not_run_again_for_the_same_inputs_until_it
     assert not replan_due(10.0 + REPLAN_EVERY_S - 0.01, key, (key, 10.0))
     assert replan_due(10.0 + REPLAN_EVERY_S, key, (key, 10.0)), "what the key leaves out waits a period at most"
     assert replan_due(10.1, (1, 7, 3, 2000, 42, (), (), ()), (key, 10.0)), "a verdict changed state: at once"
-
-
-def test_joins_alone_change_the_world_at_most_every_join_every_s_and_a_death_takes_them_at_once() -> None:
-    """Thousands of nodes starting together must not commit an epoch (pushed to every node) per tick."""
-    world = World(epoch=3, ranks=("a", "b"), target_size=2, changed_unix_s=100.0)
-    nodes = {x.node_id: x for x in (n("a"), n("b"), n("c", at=100.2), n("d", at=100.5), n("s", Role.SPARE))}
-    alive = {x: ALIVE for x in nodes}
-    assert plan(100.9, world, nodes, alive, join_every_s=1.0) is None, "0.9 s after the last epoch: they wait"
-    p = plan(101.0, world, nodes, alive, join_every_s=1.0)
-    assert p is not None and p.world is not None and p.world.ranks == ("a", "b", "c", "d"), "together, at 1 s"
-    p = plan(100.3, world, nodes, {**alive, "b": DEAD}, join_every_s=1.0)
-    assert p is not None and p.world is not None and p.world.ranks == ("a", "s", "c", "d"), "with the death"
-    assert plan(100.3, world, nodes, alive) is not None, "join_every_s 0: at once"
