@@ -94,6 +94,7 @@ class Controller:
         self.catalog.memory_in_etcd = settings.memory_snapshots_in_etcd
         self.membership.on_memory = self._take_memory  # memory snapshots: soft state (memory_ledger.py)
         self.mirror_feed = MirrorFeed(self.replica_id, lambda node: node in self.catalog.memory.reports, wall=wall)
+        self.catalog.memory.on_forget = self.mirror_feed.forget
         self.mirror = MirrorFollower(self.replica_id, self.catalog.memory, self.mirror_feed, settings.identity, clock,
                                      self.metrics.mirrored)
         self.membership.memory_holders = self.catalog.memory.holders

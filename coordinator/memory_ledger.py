@@ -246,6 +246,7 @@ class MemoryLedger:
     _index_at: int = -1
     _log: LogThrottle = field(default_factory=lambda: LogThrottle(log))
     manifests: ManifestCache = field(default_factory=ManifestCache)  # kept across terms: a function of bytes
+    on_forget: Callable[[str], None] = lambda node: None  # a node's report dropped (the mirror feed drops it too)
 
     def new_term(self, now: float, nodes: Iterable[str] = (), keep: bool = False) -> None:
         """A new leadership: nothing is known until the agents re-announce. ``nodes``: those registered
@@ -361,6 +362,7 @@ class MemoryLedger:
         self.mirrored.discard(node)
         if report is not None:
             self._rehold(node, ())
+            self.on_forget(node)
         if report is not None or single is not None:
             self.changed()
 

@@ -73,6 +73,10 @@ class MirrorFeed:
         for f in self.followers:
             f.dirty.add(node)
 
+    def forget(self, node: str) -> None:
+        """The leader forgot a node (no longer in the cluster): its report is not kept for followers."""
+        self.latest.pop(node, None)
+
     def reset(self, keep: bool) -> None:
         """A new term: the feed starts from the reports kept (``keep``), or from none."""
         if not keep:

@@ -202,3 +202,19 @@ def test_a_feed_ends_its_followers_streams_when_the_leader_steps_down() -> None:
         assert not c0.mirror_feed.followers
 
     run(go)
+
+
+def test_a_node_the_cluster_forgot_leaves_the_feed_too() -> None:
+    """The feed keeps the newest report per node for followers; one of a node whose record was removed
+    (collected after its fence) goes with it instead of staying for the leader's whole term."""
+    async def go() -> None:
+        c0, _c1, clock, feed = await leader_and_follower()
+        step_12_on_every_node(c0)
+        assert set(c0.mirror_feed.latest) == {"a", "b", "s"}
+        view = c0.committer.require_leader()
+        view.forget("s")
+        c0.catalog.memory.gone(view, clock.now + 1.0)
+        assert "s" not in c0.catalog.memory.reports and set(c0.mirror_feed.latest) == {"a", "b"}
+        await feed.aclose()
+
+    run(go)
