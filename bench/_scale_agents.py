@@ -60,6 +60,7 @@ class Plan:
     spares: set[str]
     pki_dir: str | None
     keepalive_s: float = 5.0
+    window: tuple[float, float] = (0.0, 0.0)  # the measured window (unix s): errors in it count as saturation
     warm: bool = True          # connect the other replicas' channels once answered (a real agent does)
 
 
@@ -68,6 +69,8 @@ class _Tally:
     died: dict[str, float] = field(default_factory=dict)
     errors: int = 0
     kinds: dict[str, int] = field(default_factory=dict)
+    window: tuple[float, float] = (0.0, 0.0)
+    in_window: dict[str, int] = field(default_factory=dict)  # kinds of the errors in the measured window
     sent: dict[str, int] = field(default_factory=dict)
     up: dict[str, list[float]] = field(default_factory=dict)  # node -> when each of its streams was first answered
 
@@ -78,6 +81,8 @@ class _Tally:
         if key not in self.kinds:  # the first of each kind, with its details
             print(f"simulated agent {phase} failed: {rpc.describe(exc)}"[:400], file=sys.stderr)
         self.kinds[key] = self.kinds.get(key, 0) + 1
+        if self.window[0] <= time.time() <= self.window[1]:
+            self.in_window[key] = self.in_window.get(key, 0) + 1
 
     def sent_one(self, what: str, k: int = 1) -> None:
         self.sent[what] = self.sent.get(what, 0) + k
@@ -370,7 +375,7 @@ class _Node:
 
 
 async def _simulate(plan: Plan, ids: list[str], out: Any) -> None:
-    tally = _Tally()
+    tally = _Tally(window=plan.window)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.setblocking(False)
     positions = trainers(plan)
@@ -391,7 +396,8 @@ async def _simulate(plan: Plan, ids: list[str], out: Any) -> None:
             await channel.close()
     udp.close()
     tally.sent["nodes_with_mirrors"] = sum(1 for node in nodes if node.mirrors)
-    out.put({"died": tally.died, "errors": tally.errors, "kinds": tally.kinds, "sent": tally.sent, "up": tally.up})
+    out.put({"died": tally.died, "errors": tally.errors, "kinds": tally.kinds, "in_window": tally.in_window,
+             "sent": tally.sent, "up": tally.up})
 
 
 def _beacons(nodes: list[_Node], hz: float, stop_at: float) -> None:
