@@ -20,13 +20,7 @@ from . import promql_check
 from .faults import still_running
 from .invariants import Check
 from .scenario import JOB, Context, Outcome, Scenario, Shape, within
-from .scenarios_process import RECOVER_S, promoted
-
-
-def _death_at(ctx: Context, node: str, after_seq: int) -> float | None:
-    """When ``node`` was declared dead after event ``after_seq`` (the first time), from the event log."""
-    return min((float(e["at_unix_s"]) for e in ctx.events() if int(e["seq"]) > after_seq
-                and e["kind"] == "node_dead" and e["node_id"] == node), default=None)
+from .scenarios_process import RECOVER_S, death_at, promoted
 
 
 def _restore_target(ctx: Context) -> str:
@@ -67,7 +61,7 @@ def asymmetric_partition(ctx: Context) -> Outcome:
     ctx.lab.partition_inbound(host)
     try:
         checks = [promoted(ctx, {victim}, b.spares)]
-        died = _death_at(ctx, victim, b.last_seq)
+        died = death_at(ctx, victim, b.last_seq)
         checks.append(Check("declared_dead", died is not None,
                             f"{victim} declared dead {died - b.at_unix_s:.1f}s after the cut" if died is not None
                             else f"no node_dead event for {victim}"))
@@ -178,7 +172,7 @@ def zombie(ctx: Context) -> Outcome:
     world = ctx.world()
     if victim in world:
         seen_in_world.append((time.time() - healed_at, world))
-    died = _death_at(ctx, victim, b.last_seq)
+    died = death_at(ctx, victim, b.last_seq)
     zombie_steps = sorted({int(r["step"]) for r in ctx.records() if r.get("node") == victim
                            and r.get("event") == "step" and died is not None and float(r["t"]) > died})
     rejoined = [r for r in ctx.records() if r.get("node") == victim and r.get("event") == "start"

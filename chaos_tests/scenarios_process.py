@@ -28,6 +28,12 @@ def kill_node(ctx: Context, node: str) -> list[int]:
     return pids
 
 
+def death_at(ctx: Context, node: str, after_seq: int) -> float | None:
+    """When ``node`` was declared dead after event ``after_seq`` (the first time), from the event log."""
+    return min((float(e["at_unix_s"]) for e in ctx.events() if int(e["seq"]) > after_seq
+                and e["kind"] == "node_dead" and e["node_id"] == node), default=None)
+
+
 def promoted(ctx: Context, lost: set[str], before_spares: Iterable[str]) -> Check:
     world = ctx.wait_world_without(lost, RECOVER_S)
     taken = sorted(set(world) & set(before_spares))
@@ -180,9 +186,8 @@ def standby_and_node_kill(ctx: Context) -> Outcome:
     killed_at = time.time()
     signal_all([standby.pid, ctx.agent(victim).pid, *ctx.worker_pids(victim)], signal.SIGKILL)
     checks = [promoted(ctx, {victim}, b.spares)]
-    events = [e for e in ctx.events() if int(e["seq"]) > b.last_seq]
-    dead_at = [float(e["at_unix_s"]) for e in events if e["kind"] == "node_dead" and e.get("node_id") == victim]
-    took = dead_at[0] - killed_at if dead_at else None
+    died = death_at(ctx, victim, b.last_seq)
+    took = died - killed_at if died is not None else None
     checks.append(Check("death_not_hidden", took is not None and took <= DETECT_BOUND_S,
                         f"{victim} declared dead {took:.2f}s after the kill (bound {DETECT_BOUND_S:g}s)"
                         if took is not None else f"no node_dead event for {victim}"))
